@@ -1,0 +1,34 @@
+"""ooo_wrap: out-of-order backprop for any PyTorch model in one line.
+
+>>> model = ooo_wrap.OOOModule(model, streams=4)
+"""
+
+import logging
+
+from ._config import from_config
+from ._errors import OOOConfigError, OOOError
+from ._events import EventKind, OOOEvent
+from ._plan import Plan, Stage, plan
+from ._scheduler import disabled
+from ._stats import OOOStats
+from ._wrap import OOOModule, events_for, unwrap
+
+__all__ = [
+    "EventKind",
+    "OOOConfigError",
+    "OOOError",
+    "OOOEvent",
+    "OOOModule",
+    "OOOStats",
+    "Plan",
+    "Stage",
+    "disabled",
+    "events_for",
+    "from_config",
+    "plan",
+    "unwrap",
+]
+
+__version__ = "0.1.0"
+
+logging.getLogger("ooo_wrap").addHandler(logging.NullHandler())

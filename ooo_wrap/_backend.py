@@ -1,0 +1,102 @@
+"""The stream primitives the scheduler needs, and their implementation on real accelerators.
+
+This is the only module that touches device streams. It uses the device-generic
+``torch.Stream`` / ``torch.Event`` / ``torch.accelerator`` API, so CUDA, ROCm and XPU share
+one code path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeAlias
+
+import torch
+
+__all__ = ["AcceleratorBackend", "Backend", "Event", "Stream"]
+
+# Streams and events are opaque to the scheduler: it only hands them back to its backend.
+Stream: TypeAlias = Any
+Event: TypeAlias = Any
+
+
+class Backend(Protocol):
+    """What the scheduler asks of a device: streams, events, waits and allocator marks."""
+
+    name: str
+
+    def unsupported_reason(self, device: torch.device) -> str | None:
+        """``None`` if stages on ``device`` can use side streams, else a short reason."""
+        ...
+
+    def new_stream(self, device: torch.device) -> Stream:
+        """A fresh side stream on ``device``."""
+        ...
+
+    def current_stream(self, device: torch.device) -> Stream:
+        """The calling thread's current stream on ``device``."""
+        ...
+
+    def set_stream(self, stream: Stream) -> None:
+        """Make ``stream`` the calling thread's current stream on its device."""
+        ...
+
+    def record_event(self, stream: Stream) -> Event:
+        """An event marking all work queued on ``stream`` so far."""
+        ...
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Make later work on ``stream`` wait until ``event`` has completed."""
+        ...
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """Tell the allocator that ``stream`` uses ``tensor``'s memory."""
+        ...
+
+    def is_capturing(self, stream: Stream) -> bool:
+        """Whether ``stream`` is recording a graph capture."""
+        ...
+
+
+class AcceleratorBackend:
+    """:class:`Backend` on the current accelerator (CUDA, ROCm, XPU, ...)."""
+
+    name = "accelerator"
+
+    def unsupported_reason(self, device: torch.device) -> str | None:
+        if device.type in ("cpu", "mps"):
+            return device.type
+        accelerator = torch.accelerator.current_accelerator() if _has_accelerator() else None
+        if accelerator is None or accelerator.type != device.type:
+            return "no_accelerator"
+        return None
+
+    def new_stream(self, device: torch.device) -> Stream:
+        return torch.Stream(device=device)
+
+    def current_stream(self, device: torch.device) -> Stream:
+        return torch.accelerator.current_stream(device)
+
+    def set_stream(self, stream: Stream) -> None:
+        # torch.accelerator.set_stream also switches the current device to the stream's;
+        # put the caller's device back so that the only state we change is the stream.
+        device_index = torch.accelerator.current_device_index()
+        torch.accelerator.set_stream(stream)
+        if stream.device_index != device_index:
+            torch.accelerator.set_device_index(device_index)
+
+    def record_event(self, stream: Stream) -> Event:
+        return stream.record_event()
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        stream.wait_event(event)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        tensor.record_stream(stream)
+
+    def is_capturing(self, stream: Stream) -> bool:
+        if hasattr(stream, "is_capturing"):  # torch.Stream.is_capturing is newer than 2.6
+            return bool(stream.is_capturing())
+        return stream.device_type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _has_accelerator() -> bool:
+    return torch.accelerator.is_available()

@@ -1,0 +1,67 @@
+"""``from_config``: the trainer-config entry point with the seed's keys."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from ._errors import OOOConfigError, did_you_mean
+from ._wrap import OOOModule, record_fallback
+
+__all__ = ["from_config"]
+
+_KNOWN_KEYS = ("ooo_backprop", "ooo_streams")
+
+logger = logging.getLogger("ooo_wrap")
+
+
+def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
+    """Wrap ``model`` as a trainer config says; the feature is off unless asked for.
+
+    Keys read: ``ooo_backprop`` (bool, default ``False``), ``ooo_streams`` (positive int,
+    default 4) and ``compile`` (bool, default ``False``: when true the model is returned
+    untouched with a warning, since the compiled path wins). Other keys are ignored, but
+    an unknown ``ooo_*`` key is an error, so a typo cannot silently turn the feature off.
+
+    Args:
+        model: the model to wrap.
+        config: the trainer's configuration mapping.
+
+    Returns:
+        ``model``, wrapped by :class:`OOOModule` or untouched.
+
+    Raises:
+        OOOConfigError: an unknown ``ooo_*`` key, or a value of the wrong type.
+
+    Example::
+
+        >>> model = ooo_wrap.from_config(model, {"ooo_backprop": True, "ooo_streams": 4})
+    """
+    if not isinstance(config, Mapping):
+        raise OOOConfigError(f"config must be a mapping, got {type(config).__name__}")
+    for key in config:
+        if isinstance(key, str) and key.startswith("ooo_") and key not in _KNOWN_KEYS:
+            raise OOOConfigError(
+                f"unknown config key {key!r}{did_you_mean(key, _KNOWN_KEYS)} "
+                f"(known: {', '.join(_KNOWN_KEYS)})"
+            )
+    enabled = _flag(config, "ooo_backprop")
+    compiled = _flag(config, "compile")
+    if not enabled:
+        logger.debug("ooo_backprop is off in the config; model left untouched")
+        return model
+    if compiled:
+        return record_fallback(model, "compiled", warn=True)
+    streams = config.get("ooo_streams", 4)
+    wrapped: nn.Module = OOOModule(model, streams)
+    return wrapped
+
+
+def _flag(config: Mapping[str, Any], key: str) -> bool:
+    value = config.get(key, False)
+    if not isinstance(value, bool):
+        raise OOOConfigError(f"config[{key!r}] must be true or false, got {value!r}")
+    return value

@@ -1,0 +1,270 @@
+"""The per-stage-call protocol: fork onto a side stream in the pre-hook, join in the post-hook.
+
+For one stage call, with ``ambient`` the caller's current stream and ``s`` the stage's:
+
+1. ``s`` waits on an event recorded on ``ambient`` now, which orders every earlier
+   producer of the inputs (earlier stages were already joined into ``ambient``).
+2. Each input tensor gets ``record_stream(s)``: autograd may save it and read it on ``s``
+   in backward, so the allocator must not hand its block to ``ambient`` meanwhile.
+3. ``s`` becomes current and the stage runs; autograd records ``s`` on its nodes, so
+   the engine runs their backward on ``s`` too.
+4. Post-hook, always (even if the stage raised): an event ``e`` is recorded on ``s``;
+   each output gets ``record_stream(ambient)``, since it was allocated on ``s`` and the
+   caller reads it on ``ambient``; ``ambient`` is restored and waits on ``e``, so no
+   untracked parent op can read an unfinished stage.
+5. Root post-hook: the current stream waits on every stage stream used in the call,
+   before the output (and the loss) reaches the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._backend import Backend, Stream
+from ._events import EventKind, EventLog, OOOEvent
+from ._plan import Plan, Stage
+from ._stats import Counters
+from ._tensors import tensors_in
+
+__all__ = ["Scheduler", "disabled"]
+
+_BYPASS_MESSAGES = {
+    "compiling": "running under torch.compile: stages run inline on the caller's stream "
+    "(the compiled path wins)",
+    "graph_capture": "the current stream is capturing a graph: stages run inline "
+    "(this scheduler does not switch streams inside a capture)",
+    "tracing": "running under torch.jit.trace: stages run inline",
+    "disabled": "inside ooo_wrap.disabled(): stages run inline on the caller's stream",
+}
+
+
+class _Disabled(threading.local):
+    depth = 0
+
+
+_disabled = _Disabled()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run every wrapped model inline on the caller's stream, in this thread, for a while.
+
+    Useful for evaluation or for an A/B comparison on one model. Bypassed stage calls
+    are counted in ``stats.bypasses`` and reported once as a ``BYPASSED`` event.
+
+    Example::
+
+        >>> with ooo_wrap.disabled():
+        ...     loss = model(x).sum()
+    """
+    _disabled.depth += 1
+    try:
+        yield
+    finally:
+        _disabled.depth -= 1
+
+
+class _StageRuntime:
+    """A planned stage bound to its stream object."""
+
+    __slots__ = ("device", "name", "stream", "stream_index")
+
+    def __init__(self, stage: Stage, stream: Stream) -> None:
+        self.name = stage.name
+        self.device = stage.device
+        self.stream_index = stage.stream
+        self.stream = stream
+
+
+class _Frame:
+    """One stage call in flight on this thread; ``ambient is None`` when bypassed."""
+
+    __slots__ = ("ambient", "outer_exception", "stage")
+
+    def __init__(self, stage: _StageRuntime, ambient: Stream | None) -> None:
+        self.stage = stage
+        self.ambient = ambient
+        # The exception being handled around the call, if any: the post-hook tells a
+        # stage that raised from one called inside an ``except`` block by comparing.
+        self.outer_exception = sys.exc_info()[1]
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[_Frame] = []  # stage calls in flight, innermost last
+        self.calls: list[set[int]] = []  # per root call in flight: stream indexes used
+
+
+class Scheduler:
+    """Hooks that run each stage of one wrapped model on its side stream."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        streams: Sequence[Stream],
+        backend: Backend,
+        events: EventLog,
+        counters: Counters,
+    ) -> None:
+        self._backend = backend
+        self._device = plan.stages[0].device
+        self._streams = tuple(streams)
+        self._stages = tuple(_StageRuntime(s, self._streams[s.stream]) for s in plan.stages)
+        self._events = events
+        self._counters = counters
+        self._local = _ThreadState()
+        self.compiled_bypasses = 0  # bumped inside compiled code, where the log can't be
+        self._compiled_reported = 0
+
+    def install(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
+        """Register the hooks, appending each handle to ``handles`` as soon as it exists."""
+        handles.append(
+            model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True, prepend=True)
+        )
+        handles.append(
+            model.register_forward_hook(self._root_post_hook, with_kwargs=True, always_call=True)
+        )
+        for stage in self._stages:
+            module = model.get_submodule(stage.name)
+            pre = functools.partial(self._stage_pre_hook, stage)
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            post = functools.partial(self._stage_post_hook, stage)
+            handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+    def sync_compiled_events(self) -> None:
+        """Move bypass counts taken inside compiled code into the event log."""
+        new = self.compiled_bypasses - self._compiled_reported
+        if new > 0:
+            self._compiled_reported += new
+            self._bypass_event("compiling", count=new)
+
+    # --- hooks ----------------------------------------------------------------------
+
+    def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._counters.forwards += 1
+        if not torch.compiler.is_compiling():
+            self._local.calls.append(set())
+
+    def _root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or not self._local.calls:
+            return
+        used = self._local.calls.pop()
+        if not used:
+            return
+        backend = self._backend
+        current = backend.current_stream(self._device)
+        for index in sorted(used):
+            # 5. The caller's stream waits on all the call's stage streams.
+            backend.wait_event(current, backend.record_event(self._streams[index]))
+        self._counters.joins += len(used)
+
+    def _stage_pre_hook(
+        self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
+    ) -> None:
+        if torch.compiler.is_compiling():
+            # Only plain attribute writes here: they replay inside the compiled graph.
+            self.compiled_bypasses += 1
+            self._counters.bypasses += 1
+            return
+        frames = self._local.frames
+        reason = _eager_bypass_reason()
+        backend = self._backend
+        ambient = None
+        if reason is None:
+            ambient = backend.current_stream(stage.device)
+            if backend.is_capturing(ambient):
+                reason, ambient = "graph_capture", None
+        if reason is not None:
+            self._counters.bypasses += 1
+            self._bypass_event(reason)
+            frames.append(_Frame(stage, None))
+            return
+        stream = stage.stream
+        # 1. s waits on everything queued on ambient so far.
+        backend.wait_event(stream, backend.record_event(ambient))
+        # 2. Inputs: s may read them in backward; keep their blocks from ambient's reuse.
+        inputs = tensors_in(args)
+        if kwargs:
+            inputs += tensors_in(kwargs)
+        recorded = 0
+        device = stage.device
+        for tensor in inputs:
+            if tensor.device == device:
+                backend.record_stream(tensor, stream)
+                recorded += 1
+        # 3. Switch last, so a failure above leaves the caller's stream untouched.
+        backend.set_stream(stream)
+        frames.append(_Frame(stage, ambient))
+        calls = self._local.calls
+        if calls:
+            calls[-1].add(stage.stream_index)
+        counters = self._counters
+        counters.stage_calls += 1
+        counters.waits += 1
+        counters.record_streams += recorded
+
+    def _stage_post_hook(
+        self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
+        if torch.compiler.is_compiling():
+            return
+        frames = self._local.frames
+        if not frames or frames[-1].stage is not stage:
+            return  # our pre-hook did not run for this call (an earlier pre-hook raised)
+        frame = frames.pop()
+        ambient = frame.ambient
+        if ambient is not None:
+            backend = self._backend
+            stream = stage.stream
+            recorded = 0
+            try:
+                # 4. e marks all the stage's work; outputs are read on ambient from now on.
+                event = backend.record_event(stream)
+                device = stage.device
+                for tensor in tensors_in(output):
+                    if tensor.device == device:
+                        backend.record_stream(tensor, ambient)
+                        recorded += 1
+            finally:
+                backend.set_stream(ambient)
+            backend.wait_event(ambient, event)
+            self._counters.joins += 1
+            self._counters.record_streams += recorded
+        error = sys.exc_info()[1]
+        if error is not None and error is not frame.outer_exception:
+            self._counters.failures += 1
+            self._events.add(
+                OOOEvent(
+                    EventKind.STAGE_FAILED,
+                    type(error).__name__,
+                    f"stage raised {type(error).__name__}; the caller's stream was restored "
+                    "and the exception propagated unchanged",
+                    stage=stage.name,
+                ),
+                level=logging.INFO,
+            )
+
+    def _bypass_event(self, reason: str, count: int = 1) -> None:
+        self._events.add(
+            OOOEvent(EventKind.BYPASSED, reason, _BYPASS_MESSAGES[reason], count=count),
+            level=logging.INFO,
+        )
+
+
+def _eager_bypass_reason() -> str | None:
+    if _disabled.depth:
+        return "disabled"
+    # Public API, but torch.jit does not re-export it in a way mypy sees as typed.
+    if torch.jit.is_tracing():  # type: ignore[attr-defined,no-untyped-call]
+        return "tracing"
+    return None

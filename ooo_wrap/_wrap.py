@@ -1,0 +1,321 @@
+"""``OOOModule``: wrap a model in place (class swap plus hooks), or fall back untouched."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._backend import AcceleratorBackend, Backend
+from ._compat import is_compiled_module
+from ._errors import OOOConfigError
+from ._events import EventKind, EventLog, OOOEvent
+from ._plan import Plan, check_streams, plan
+from ._scheduler import Scheduler
+from ._stats import Counters, OOOStats
+
+__all__ = ["OOOModule", "events_for", "unwrap"]
+
+logger = logging.getLogger("ooo_wrap")
+
+_API_NAMES = ("events", "plan", "stats", "unwrap")
+
+
+@dataclass
+class _WrapState:
+    """Everything the wrapper knows about one wrapped model (kept outside the model)."""
+
+    plan: Plan
+    original_class: type[nn.Module]
+    scheduler: Scheduler
+    handles: list[RemovableHandle]
+    log: EventLog
+    counters: Counters
+
+    def events(self) -> tuple[OOOEvent, ...]:
+        self.scheduler.sync_compiled_events()
+        return self.log.snapshot()
+
+
+# Keyed weakly by the model: nothing here keeps a model alive, and nothing is stored on it.
+_wrapped: weakref.WeakKeyDictionary[nn.Module, _WrapState] = weakref.WeakKeyDictionary()
+_detached: weakref.WeakKeyDictionary[nn.Module, tuple[OOOEvent, ...]] = weakref.WeakKeyDictionary()
+_classes: dict[tuple[type[nn.Module], tuple[str, ...]], type[nn.Module]] = {}
+_warned_shadowed: set[tuple[type[nn.Module], str]] = set()
+
+_FALLBACK_MESSAGES = {
+    "cpu": "model is on the CPU: standard backward (side streams need an accelerator; "
+    "move the model to it before wrapping)",
+    "mps": "model is on MPS, which has a single stream: standard backward",
+    "no_accelerator": "no stream-capable accelerator for the model's device: standard backward",
+    "too_few_stages": "fewer than two stages: nothing to overlap, standard backward (name "
+    "stages with stages=[...] or a model.ooo_stage_names attribute)",
+    "multi_device": "stages span several devices: standard backward (wrap a model that "
+    "lives on one device)",
+    "compiled": "the model is torch.compile'd: out-of-order backprop is off, the compiled "
+    "path wins (they are mutually exclusive; pick one and benchmark it)",
+    "unsupported_module": "TorchScript modules cannot run Python hooks: standard backward",
+}
+
+
+class OOOModule(nn.Module):
+    """Out-of-order backprop for ``model``, in place: ``model = OOOModule(model, streams=4)``.
+
+    Each stage (a disjoint sub-module) runs its forward on a side stream, so autograd runs
+    its backward there too and independent branches overlap, with the same gradients.
+    The model object is returned with its class swapped to a cached subclass
+    ``OOO<ClassName>``: ``isinstance`` checks, parameter names and ``state_dict()`` keys
+    are unchanged. Where the scheme cannot help (CPU or MPS model, no accelerator, fewer
+    than two stages, a compiled or TorchScript model) the model is returned untouched and
+    :func:`events_for` says why.
+
+    Args:
+        model: the model to wrap.
+        streams: the most side streams to use; stages take them round-robin.
+        stages: dotted sub-module names to use as stages (see :func:`ooo_wrap.plan`).
+        backend: where streams come from; the real accelerator by default, or
+            :class:`ooo_wrap.testing.SimulatedBackend` to run the hooks on a CPU model.
+
+    Returns:
+        ``model`` itself, wrapped or untouched.
+
+    Raises:
+        OOOConfigError: ``model`` is not a module or is already wrapped, ``streams`` is not
+            a positive int, or a stage name is unknown, repeated, the root or overlapping.
+
+    Example::
+
+        >>> model = ooo_wrap.OOOModule(model, streams=4)
+        >>> loss = model(x).sum(); loss.backward()
+        >>> print(model.plan); print(model.events); print(model.stats)
+    """
+
+    def __new__(
+        cls,
+        model: nn.Module | None = None,
+        streams: int = 4,
+        *,
+        stages: Sequence[str] | None = None,
+        backend: Backend | None = None,
+    ) -> Any:
+        if cls is not OOOModule:
+            # copy / pickle re-create a wrapped model through its class with no arguments.
+            return super().__new__(cls)
+        return _wrap(model, streams, stages, backend)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        # type.__call__ calls __init__ on the returned model: leave it exactly as it is.
+        pass
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        if not cls.__dict__.get("_ooo_dynamic", False):
+            raise TypeError(
+                "OOOModule is not subclassed; wrap an instance instead: OOOModule(model)"
+            )
+        super().__init_subclass__(**kwargs)
+
+    @property
+    def events(self) -> tuple[OOOEvent, ...]:
+        """What the wrapper decided and did, oldest first (bounded, deduplicated)."""
+        return _state(self).events()
+
+    @property
+    def plan(self) -> Plan:
+        """The stages and the side stream each one runs on."""
+        return _state(self).plan
+
+    @property
+    def stats(self) -> OOOStats:
+        """Counters of forwards, stage calls, waits, record_stream calls, joins, bypasses."""
+        return _state(self).counters.snapshot()
+
+    def unwrap(self) -> nn.Module:
+        """Remove every hook and restore the model's class; returns the plain model.
+
+        Calling it again (or on a model that is not wrapped) does nothing.
+        """
+        return unwrap(self)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Undo :class:`OOOModule` on ``model`` (in place) and return it; a no-op if not wrapped."""
+    state = _wrapped.pop(model, None)
+    if state is None:
+        return model
+    for handle in state.handles:
+        handle.remove()
+    model.__class__ = state.original_class
+    state.log.add(
+        OOOEvent(EventKind.UNWRAPPED, "unwrap", "hooks removed and class restored"),
+        level=logging.INFO,
+    )
+    _detached[model] = state.events()
+    return model
+
+
+def events_for(model: nn.Module) -> tuple[OOOEvent, ...]:
+    """The events of ``model``: wrapped, fallen back untouched, or unwrapped.
+
+    Returns ``()`` for a model :class:`OOOModule` never saw.
+
+    Example::
+
+        >>> model = ooo_wrap.OOOModule(cpu_model)   # falls back: returns cpu_model
+        >>> ooo_wrap.events_for(model)[-1].reason
+        'cpu'
+    """
+    state = _wrapped.get(model)
+    if state is not None:
+        return state.events()
+    return _detached.get(model, ())
+
+
+def record_fallback(model: nn.Module, reason: str, *, warn: bool = False) -> nn.Module:
+    """Leave ``model`` untouched, record a ``DISABLED`` event for it and return it."""
+    event = OOOEvent(EventKind.DISABLED, reason, _FALLBACK_MESSAGES[reason])
+    _detached[model] = (event,)
+    logger.info("%s", event)
+    if warn:
+        warnings.warn(f"ooo_wrap: {event.message}", stacklevel=4)
+    return model
+
+
+def _state(model: nn.Module) -> _WrapState:
+    state = _wrapped.get(model)
+    if state is None:  # e.g. a copy made through pickle without re-wrapping
+        raise OOOConfigError(
+            f"this {type(model).__name__} is not wrapped; wrap it with ooo_wrap.OOOModule(model)"
+        )
+    return state
+
+
+def _wrap(
+    model: object, streams: int, stages: Sequence[str] | None, backend: Backend | None
+) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise OOOConfigError(
+            f"OOOModule expects a torch.nn.Module, got {type(model).__name__}; "
+            "pass the model: OOOModule(model)"
+        )
+    if isinstance(model, OOOModule) or model in _wrapped:
+        raise OOOConfigError(
+            f"this {type(model).__name__} is already wrapped; call model.unwrap() first "
+            "to wrap it again with other options"
+        )
+    check_streams(streams)
+    if is_compiled_module(model):
+        return record_fallback(model, "compiled", warn=True)
+    if isinstance(model, torch.jit.ScriptModule):
+        return record_fallback(model, "unsupported_module")
+    the_plan = plan(model, streams, stages=stages)
+    if len(the_plan.stages) < 2:
+        return record_fallback(model, "too_few_stages")
+    if len(the_plan.devices) > 1:
+        return record_fallback(model, "multi_device")
+    backend = backend if backend is not None else AcceleratorBackend()
+    reason = backend.unsupported_reason(the_plan.devices[0])
+    if reason is not None:
+        return record_fallback(model, reason)
+    return _install(model, the_plan, backend)
+
+
+def _install(model: nn.Module, the_plan: Plan, backend: Backend) -> nn.Module:
+    """Create streams, register hooks and swap the class; undo all of it on any failure."""
+    original_class = type(model)
+    names_before = _names(model)
+    log = EventLog()
+    handles: list[RemovableHandle] = []
+    try:
+        device = the_plan.devices[0]
+        streams = [backend.new_stream(device) for _ in range(the_plan.num_streams)]
+        counters = Counters()
+        scheduler = Scheduler(the_plan, streams, backend, log, counters)
+        scheduler.install(model, handles)
+        model.__class__ = _wrapped_class(model, original_class)
+        if _names(model) != names_before:  # the contract: wrapping renames nothing
+            raise RuntimeError("parameter or buffer names changed while wrapping")
+        _wrapped[model] = _WrapState(the_plan, original_class, scheduler, handles, log, counters)
+    except Exception as error:
+        for handle in handles:
+            handle.remove()
+        model.__class__ = original_class
+        _wrapped.pop(model, None)
+        event = OOOEvent(
+            EventKind.SETUP_FAILED,
+            type(error).__name__,
+            f"setup failed ({error}); hooks removed, model left as it was, standard backward",
+        )
+        log.add(event, level=logging.WARNING)
+        _detached[model] = log.snapshot()
+        warnings.warn(f"ooo_wrap: {event.message}", stacklevel=4)
+        return model
+    log.add(
+        OOOEvent(
+            EventKind.ENABLED,
+            backend.name,
+            f"{len(the_plan.stages)} stages on {the_plan.num_streams} side streams "
+            f"({device}, {backend.name} backend)",
+        ),
+        level=logging.INFO,
+    )
+    return model
+
+
+def _names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters()] + list(model.state_dict())
+
+
+class _LeftToModel:
+    """A non-data descriptor that hides a wrapper API name: instance lookup falls through
+    to the model's own ``__dict__`` or its ``nn.Module.__getattr__`` (sub-modules,
+    parameters, buffers)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        raise AttributeError(self._name)
+
+
+def _wrapped_class(model: nn.Module, cls: type[nn.Module]) -> type[nn.Module]:
+    """The cached ``OOO<cls>`` subclass; names the model already has stay the model's."""
+    missing = object()
+    on_class = {n for n in _API_NAMES if inspect.getattr_static(cls, n, missing) is not missing}
+    on_instance = {
+        n
+        for n in _API_NAMES
+        if n in vars(model) or n in model._modules or n in model._parameters or n in model._buffers
+    }
+    shadowed = tuple(sorted(on_class | on_instance))
+    for name in shadowed:
+        if (cls, name) not in _warned_shadowed:
+            _warned_shadowed.add((cls, name))
+            warnings.warn(
+                f"ooo_wrap: {cls.__name__} already has {name!r}; it stays the model's. Use "
+                f"ooo_wrap.events_for(model), ooo_wrap.unwrap(model) or "
+                f"ooo_wrap.OOOModule.{name} for the wrapper's",
+                stacklevel=5,
+            )
+    key = (cls, shadowed)
+    if key not in _classes:
+        namespace: dict[str, Any] = {
+            "_ooo_dynamic": True,
+            "__module__": cls.__module__,
+            "__qualname__": f"OOO{cls.__qualname__}",
+        }
+        for name in shadowed:
+            namespace[name] = (
+                inspect.getattr_static(cls, name) if name in on_class else _LeftToModel(name)
+            )
+        _classes[key] = type(f"OOO{cls.__name__}", (OOOModule, cls), namespace)
+    return _classes[key]

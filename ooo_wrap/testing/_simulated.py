@@ -1,0 +1,157 @@
+"""Virtual streams and events on the CPU, so the real hooks can run without a GPU."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SimulatedBackend", "StreamCall", "VirtualEvent", "VirtualStream"]
+
+
+@dataclass(frozen=True)
+class VirtualStream:
+    """A simulated stream; id 0 is the default stream every thread starts on."""
+
+    id: int
+
+    def __str__(self) -> str:
+        return "default" if self.id == 0 else f"side{self.id}"
+
+
+@dataclass(frozen=True)
+class VirtualEvent:
+    """A simulated event: marks the work queued on ``stream`` when it was recorded."""
+
+    id: int
+    stream: VirtualStream
+
+    def __str__(self) -> str:
+        return f"event{self.id}@{self.stream}"
+
+
+@dataclass(frozen=True)
+class StreamCall:
+    """One call the scheduler made on the backend.
+
+    Attributes:
+        op: the backend method: ``current_stream``, ``new_stream``, ``set_stream``,
+            ``record_event``, ``wait_event`` or ``record_stream`` (``is_capturing`` is a
+            query of the simulation's own flag and is not logged).
+        stream: the stream it acted on or returned.
+        event: the event recorded or waited on, if any.
+        tensor: ``dtype[shape]`` of the tensor passed to ``record_stream``, if any.
+        thread: name of the calling thread.
+    """
+
+    op: str
+    stream: VirtualStream
+    event: VirtualEvent | None = None
+    tensor: str | None = None
+    thread: str = ""
+
+    def __str__(self) -> str:
+        extra = " ".join(str(x) for x in (self.event, self.tensor) if x is not None)
+        return f"{self.op}({self.stream}{', ' + extra if extra else ''})"
+
+
+DEFAULT_STREAM = VirtualStream(0)
+
+
+class SimulatedBackend:
+    """A :class:`~ooo_wrap._backend.Backend` of virtual streams for CPU models.
+
+    Each thread has its own current stream (the default stream until it sets another),
+    as on CUDA. Every call is appended to :attr:`log`; only the latest ``log_size`` calls
+    are kept unless ``keep_all=True``. Ops still run eagerly on the CPU: the simulation
+    orders nothing, it records what the scheduler asked for so tests (and the race
+    checker) can verify it.
+
+    Example::
+
+        >>> backend = SimulatedBackend()
+        >>> model = ooo_wrap.OOOModule(cpu_model, backend=backend)
+        >>> model(x).sum().backward()
+        >>> [str(call) for call in backend.log][:3]
+    """
+
+    name = "simulated"
+
+    def __init__(self, *, keep_all: bool = False, log_size: int = 10_000) -> None:
+        self._log: collections.deque[StreamCall] = collections.deque(
+            maxlen=None if keep_all else log_size
+        )
+        self._ids = itertools.count(1)
+        self._event_ids = itertools.count(1)
+        self._local = threading.local()
+        self._capturing: set[VirtualStream] = set()
+
+    @property
+    def log(self) -> tuple[StreamCall, ...]:
+        """The recorded calls, oldest first."""
+        return tuple(self._log)
+
+    def clear_log(self) -> None:
+        """Forget the recorded calls."""
+        self._log.clear()
+
+    def _call(
+        self,
+        op: str,
+        stream: VirtualStream,
+        event: VirtualEvent | None = None,
+        tensor: str | None = None,
+    ) -> None:
+        self._log.append(StreamCall(op, stream, event, tensor, threading.current_thread().name))
+
+    # --- Backend protocol -------------------------------------------------------------
+
+    def unsupported_reason(self, device: torch.device) -> str | None:
+        return None
+
+    def new_stream(self, device: torch.device) -> VirtualStream:
+        stream = VirtualStream(next(self._ids))
+        self._call("new_stream", stream)
+        return stream
+
+    def current_stream(self, device: torch.device | None = None) -> VirtualStream:
+        """The calling thread's current virtual stream."""
+        stream: VirtualStream = getattr(self._local, "stream", DEFAULT_STREAM)
+        self._call("current_stream", stream)
+        return stream
+
+    def set_stream(self, stream: VirtualStream) -> None:
+        self._local.stream = stream
+        self._call("set_stream", stream)
+
+    def record_event(self, stream: VirtualStream) -> VirtualEvent:
+        event = VirtualEvent(next(self._event_ids), stream)
+        self._call("record_event", stream, event)
+        return event
+
+    def wait_event(self, stream: VirtualStream, event: VirtualEvent) -> None:
+        self._call("wait_event", stream, event)
+
+    def record_stream(self, tensor: torch.Tensor, stream: VirtualStream) -> None:
+        description = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+        self._call("record_stream", stream, tensor=description)
+
+    def is_capturing(self, stream: VirtualStream) -> bool:
+        return stream in self._capturing
+
+    # --- test helpers -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Pretend the calling thread's current stream is recording a graph capture."""
+        stream = getattr(self._local, "stream", DEFAULT_STREAM)
+        self._capturing.add(stream)
+        try:
+            yield
+        finally:
+            self._capturing.discard(stream)
