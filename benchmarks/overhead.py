@@ -1,0 +1,117 @@
+"""Host overhead of the wrapper's hooks, per stage call, with stream calls made free.
+
+Run: ``python benchmarks/overhead.py``. A model of 24 tiny tensor-in/tensor-out stages is
+run plain and wrapped (with :class:`NullBackend`, whose stream calls do nothing),
+interleaved in one process after a warm-up; the median over repeats of
+``(wrapped - plain) / 24`` is the Python cost the hooks add to one stage call (the root
+hooks' cost included, spread over the stages). Device stream calls come on top of this on
+a GPU and are not measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import ooo_wrap
+
+NUM_STAGES = 24
+
+
+class NullBackend:
+    """A backend whose stream calls cost nothing: isolates the hooks' own Python cost."""
+
+    name = "null"
+
+    def unsupported_reason(self, device: torch.device) -> str | None:
+        return None
+
+    def new_stream(self, device: torch.device) -> object:
+        return object()
+
+    def current_stream(self, device: torch.device) -> object:
+        return None
+
+    def set_stream(self, stream: object) -> None:
+        pass
+
+    def record_event(self, stream: object) -> object:
+        return None
+
+    def wait_event(self, stream: object, event: object) -> None:
+        pass
+
+    def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
+        pass
+
+    def is_capturing(self, stream: object) -> bool:
+        return False
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(Scale() for _ in range(NUM_STAGES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def _time_forwards(model: nn.Module, x: torch.Tensor, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        model(x)
+    return time.perf_counter() - start
+
+
+def measure(repeats: int = 30, calls: int = 200, warmup: int = 200) -> dict[str, float]:
+    """Median µs per forward (plain, wrapped) and µs added per stage call."""
+    plain = Chain()
+    wrapped = ooo_wrap.OOOModule(copy.deepcopy(plain), backend=NullBackend())
+    x = torch.ones(1)
+    _time_forwards(plain, x, warmup)
+    _time_forwards(wrapped, x, warmup)
+    plain_us, wrapped_us, added_us = [], [], []
+    for _ in range(repeats):  # interleaved A/B, so drift hits both sides alike
+        a = _time_forwards(plain, x, calls) / calls * 1e6
+        b = _time_forwards(wrapped, x, calls) / calls * 1e6
+        plain_us.append(a)
+        wrapped_us.append(b)
+        added_us.append((b - a) / NUM_STAGES)
+    return {
+        "plain_us_per_forward": statistics.median(plain_us),
+        "wrapped_us_per_forward": statistics.median(wrapped_us),
+        "added_us_per_stage_call": statistics.median(added_us),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--calls", type=int, default=200, help="forwards per timed repeat")
+    args = parser.parse_args()
+    result = measure(args.repeats, args.calls)
+    print(f"torch {torch.__version__}, {NUM_STAGES} stages, median of {args.repeats} repeats")
+    print(f"plain forward:   {result['plain_us_per_forward']:8.1f} µs")
+    print(f"wrapped forward: {result['wrapped_us_per_forward']:8.1f} µs")
+    print(f"added per stage call: {result['added_us_per_stage_call']:.2f} µs (target <= 10 µs)")
+
+
+if __name__ == "__main__":
+    main()
