@@ -1,0 +1,267 @@
+"""Turn benchmark records into a markdown report, a JSON file and a speedup plot.
+
+The targets come from the benchmarks issue; they are reported against, met or not, and
+never used to choose what is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CPU_ONLY_MESSAGE",
+    "markdown_table",
+    "overhead_lines",
+    "render_report",
+    "targets_lines",
+    "write_json",
+    "write_plot",
+]
+
+Record = Mapping[str, Any]
+
+CPU_ONLY_MESSAGE = (
+    "No CUDA GPU on this machine: speed figures (step time, speedup, samples/s, peak memory) "
+    "need a GPU and are not measured here. Only the host overhead of the wrapper's hooks is "
+    "measured below."
+)
+
+# The issue's targets (GPU, steady state). Reported, never tuned for.
+TOWERS_TARGET_SIZE = {"towers": 8, "width": 2048, "depth": 4}
+TOWERS_TARGET_BATCH = 16
+TOWERS_TARGET_SPEEDUP = 1.3
+TRANSFORMER_TARGET_SPEEDUP = 0.97
+MEMORY_TARGET_RATIO = 1.10
+
+_MIB = 1024 * 1024
+
+
+def _ms(side: Record) -> str:
+    return f"{side['median_ms']:.3f} ({side['p10_ms']:.3f}-{side['p90_ms']:.3f})"
+
+
+def _mib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / _MIB:,.1f}"
+
+
+def _first(side: Record) -> str:
+    first = side.get("first_steps_ms") or side.get("warmup_ms") or []
+    return f"{first[0]:.1f}" if first else "n/a"
+
+
+def _model_cell(record: Record) -> str:
+    wrapped = record["wrapped"]
+    cell = str(record["label"])
+    if not wrapped.get("active", False):
+        reasons = ", ".join(wrapped.get("events", [])) or "unknown reason"
+        cell += f" **(not wrapped: {reasons})**"
+    return cell
+
+
+def markdown_table(records: Sequence[Record]) -> str:
+    """One row per record: step times, speedup, throughput, memory and wrapper stats."""
+    header = (
+        "| model | batch | dtype | plain ms median (p10-p90) | wrapped ms median (p10-p90) "
+        "| speedup | samples/s plain / wrapped | peak MiB plain / wrapped | memory ratio "
+        "| waits / record_streams per step | first step ms plain / wrapped |"
+    )
+    rows = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in records:
+        plain, wrapped = r["plain"], r["wrapped"]
+        stats = wrapped.get("stats_per_step")
+        stats_cell = f"{stats['waits']:g} / {stats['record_streams']:g}" if stats else "n/a"
+        ratio = r.get("memory_ratio")
+        rows.append(
+            f"| {_model_cell(r)} | {r['batch']} | {r['dtype']} | {_ms(plain)} | {_ms(wrapped)} "
+            f"| {r['speedup']:.3f}x "
+            f"| {plain['samples_per_s']:,.0f} / {wrapped['samples_per_s']:,.0f} "
+            f"| {_mib(plain['peak_memory_bytes'])} / {_mib(wrapped['peak_memory_bytes'])} "
+            f"| {'n/a' if ratio is None else f'{ratio:.3f}x'} | {stats_cell} "
+            f"| {_first(plain)} / {_first(wrapped)} |"
+        )
+    return "\n".join(rows)
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def targets_lines(records: Sequence[Record]) -> list[str]:
+    """The issue's three targets, each with what this run measured against it."""
+    lines = []
+    target = [
+        r
+        for r in records
+        if r["model"] == "towers"
+        and dict(r["size"]) == TOWERS_TARGET_SIZE
+        and r["batch"] == TOWERS_TARGET_BATCH
+        and r["dtype"] == "float32"
+    ]
+    name = (
+        f"towers K={TOWERS_TARGET_SIZE['towers']} W={TOWERS_TARGET_SIZE['width']} "
+        f"D={TOWERS_TARGET_SIZE['depth']}, batch {TOWERS_TARGET_BATCH}, float32"
+    )
+    if target:
+        s = target[0]["speedup"]
+        lines.append(
+            f"- {name}: target wrapped ≥ {TOWERS_TARGET_SPEEDUP:.2f}x plain; "
+            f"measured {s:.3f}x ({_verdict(s >= TOWERS_TARGET_SPEEDUP)})"
+        )
+    else:
+        lines.append(f"- {name}: target ≥ {TOWERS_TARGET_SPEEDUP:.2f}x; not measured in this run")
+    towers = [r for r in records if r["model"] == "towers"]
+    if towers:
+        lo = min(towers, key=lambda r: r["speedup"])
+        hi = max(towers, key=lambda r: r["speedup"])
+        lines.append(
+            f"- towers, whole sweep: {lo['speedup']:.3f}x ({lo['label']}, batch {lo['batch']}, "
+            f"{lo['dtype']}) to {hi['speedup']:.3f}x ({hi['label']}, batch {hi['batch']}, "
+            f"{hi['dtype']})"
+        )
+    transformer = [r for r in records if r["model"] == "transformer"]
+    if transformer:
+        worst = min(transformer, key=lambda r: r["speedup"])
+        s = worst["speedup"]
+        lines.append(
+            f"- transformer: target wrapped ≥ {TRANSFORMER_TARGET_SPEEDUP:.2f}x plain at every "
+            f"point; worst {s:.3f}x ({worst['label']}, batch {worst['batch']}, {worst['dtype']}) "
+            f"({_verdict(s >= TRANSFORMER_TARGET_SPEEDUP)})"
+        )
+    else:
+        lines.append(
+            f"- transformer: target ≥ {TRANSFORMER_TARGET_SPEEDUP:.2f}x; not measured in this run"
+        )
+    with_memory = [r for r in records if r.get("memory_ratio") is not None]
+    if with_memory:
+        worst = max(with_memory, key=lambda r: r["memory_ratio"])
+        m = worst["memory_ratio"]
+        lines.append(
+            f"- peak memory: target wrapped ≤ {MEMORY_TARGET_RATIO:.2f}x plain on every model; "
+            f"worst {m:.3f}x ({worst['label']}, batch {worst['batch']}, {worst['dtype']}) "
+            f"({_verdict(m <= MEMORY_TARGET_RATIO)})"
+        )
+    else:
+        lines.append(
+            f"- peak memory: target ≤ {MEMORY_TARGET_RATIO:.2f}x; not measured in this run"
+        )
+    return lines
+
+
+def overhead_lines(overhead: Mapping[str, float]) -> list[str]:
+    """The host-overhead measurement as a small markdown table."""
+    return [
+        "| measure | value |",
+        "|---|---|",
+        f"| added per stage call | {overhead['added_us_per_stage_call']:.2f} µs "
+        "(target: at most 10 µs) |",
+        f"| plain forward of the 24-stage model | {overhead['plain_us_per_forward']:.1f} µs |",
+        f"| wrapped forward | {overhead['wrapped_us_per_forward']:.1f} µs |",
+    ]
+
+
+def render_report(report: Mapping[str, Any]) -> str:
+    """The whole human report of a run (GPU or CPU-only) as markdown."""
+    env = report["environment"]
+    lines = [f"# ooo_wrap benchmark, {env['date_utc']}", ""]
+    device = env.get("gpu") or "no GPU"
+    lines.append(
+        f"Device: {device}; torch {env['torch']} (CUDA {env.get('cuda') or 'none'}); "
+        f"ooo_wrap {env['ooo_wrap']}; git {env.get('git_commit') or 'unknown'}."
+    )
+    lines.append(f"Command: `{env['command']}`")
+    lines.append("")
+    if report["kind"] == "cpu-only":
+        lines += [CPU_ONLY_MESSAGE, ""]
+    else:
+        settings = report["settings"]
+        lines.append(
+            f"Steady state: median (p10-p90) of {settings['steps']} synchronized steps per side "
+            f"(forward + backward + optimizer step) after {settings['warmup']} warm-up steps, "
+            f"plain and wrapped interleaved; speedup = plain / wrapped step time; peak memory "
+            f"of each side alone over {settings['mem_steps']} steps; "
+            f"streams={settings['streams']}, seed {settings['seed']}, {settings['optimizer']}."
+        )
+        lines.append("")
+        lines.append(markdown_table(report["results"]))
+        lines.append("")
+        lines.append("Targets (GPU, steady state; reported, not tuned for):")
+        lines += targets_lines(report["results"])
+        skipped = report.get("skipped") or []
+        if skipped:
+            lines.append("")
+            lines.append(f"Not measured (time budget spent): {', '.join(skipped)}")
+        lines.append("")
+    lines.append("Host overhead of the hooks (backend stream calls made free, CPU):")
+    lines += overhead_lines(report["host_overhead"])
+    return "\n".join(lines)
+
+
+def write_json(report: Mapping[str, Any], path: Path) -> Path:
+    """Write ``report`` as indented JSON, creating the folder; returns the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    return path
+
+
+def _series(records: Iterable[Record], key: str, group: Any) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in records:
+        out[group(r)].append((int(r[key] if key == "batch" else r["size"][key]), r["speedup"]))
+    return {name: sorted(points) for name, points in out.items()}
+
+
+def write_plot(records: Sequence[Record], path: Path) -> Path | None:
+    """A PNG of speedup per model across batch sizes (and across width for towers).
+
+    Returns the path, or ``None`` with a message on stderr if matplotlib is missing
+    (it comes with the optional ``bench`` extra) or there is nothing to plot.
+    """
+    if not records:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "plot skipped: matplotlib is not installed (pip install -e '.[bench]')",
+            file=sys.stderr,
+        )
+        return None
+    by_batch = _series(records, "batch", lambda r: f"{r['label']} {r['dtype']}")
+    lines = {k: v for k, v in by_batch.items() if len(v) > 1} or by_batch
+    towers = [r for r in records if r["model"] == "towers"]
+    by_width = _series(
+        towers,
+        "width",
+        lambda r: (
+            f"towers K={r['size']['towers']} D={r['size']['depth']} batch {r['batch']} {r['dtype']}"
+        ),
+    )
+    widths = {k: v for k, v in by_width.items() if len(v) > 1}
+    fig, axes = plt.subplots(1, 2 if widths else 1, figsize=(13 if widths else 7, 5), squeeze=False)
+    panels = [(axes[0][0], lines, "batch size")]
+    if widths:
+        panels.append((axes[0][1], widths, "tower width"))
+    for ax, series, xlabel in panels:
+        for name, points in series.items():
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", label=name)
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("speedup (plain step time / wrapped)")
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("ooo_wrap: wrapped over plain, steady state")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,348 @@
+"""A/B benchmark of ooo_wrap on one CUDA GPU: plain vs wrapped, interleaved in one process.
+
+Run: ``python benchmarks/suite.py [flags]`` (``--help`` lists them). Three model families
+(towers, branches, the reference transformer), each swept over batch size (towers over
+width too), in float32 and bfloat16 autocast. For every point: warm-up apart from steady
+state; median, p10 and p90 of the synchronized step time (forward + backward + optimizer
+step); samples/s; peak memory of each side alone; the wrapper's stats per step (see
+``benchmarks/measure.py`` for the method). Output: a markdown report on stdout, a JSON
+file and a PNG plot of speedup (matplotlib, from the optional ``bench`` extra), named with
+the date and the GPU; a progress line on stderr while it runs.
+
+On a machine without a CUDA GPU it measures only the host overhead of the hooks
+(``benchmarks/overhead.py``) and says that speed figures need a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path[0] != str(ROOT):  # benchmark this checkout, not some other installed copy
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import ooo_wrap  # noqa: E402
+from benchmarks import overhead  # noqa: E402
+from benchmarks.measure import DTYPES, Dtype, Point, measure_point  # noqa: E402
+from benchmarks.models import FAMILIES, ModelSpec  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    CPU_ONLY_MESSAGE,
+    render_report,
+    write_json,
+    write_plot,
+)
+
+OPTIMIZER = "SGD(lr={lr:g}, momentum=0.9)"
+
+
+def gpu_available() -> bool:
+    """Whether this process can measure speed: a CUDA GPU is visible to PyTorch."""
+    return torch.cuda.is_available()
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(allowed: Sequence[str]) -> Any:
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(allowed)}"
+            )
+        return names
+
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; defaults are the full sweep, including the issue's target point."""
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--models", type=_names(FAMILIES), default=list(FAMILIES))
+    p.add_argument("--dtypes", type=_names(DTYPES), default=list(DTYPES))
+    g = p.add_argument_group("towers (K independent MLPs, summed)")
+    g.add_argument("--towers", type=int, default=8, help="number of towers K")
+    g.add_argument("--towers-width", type=int, default=2048)
+    g.add_argument("--towers-depth", type=int, default=4, help="linear layers per tower")
+    g.add_argument("--towers-batches", type=_ints, default=[16, 64, 256])
+    g.add_argument(
+        "--towers-widths",
+        type=_ints,
+        default=[512, 1024, 4096],
+        help="width sweep, at the first towers batch size",
+    )
+    g = p.add_argument_group("branches (Inception-style, concatenated)")
+    g.add_argument("--branches", type=int, default=4, help="number of branches")
+    g.add_argument("--branches-channels", type=int, default=64)
+    g.add_argument("--branches-depth", type=int, default=2, help="convolutions per branch")
+    g.add_argument("--branches-image", type=int, default=32, help="image side in pixels")
+    g.add_argument("--branches-batches", type=_ints, default=[16, 64, 256])
+    g = p.add_argument_group("transformer (examples/transformer.py; defaults: its own size)")
+    g.add_argument("--transformer-depth", type=int, default=4, help="blocks")
+    g.add_argument("--transformer-dim", type=int, default=64)
+    g.add_argument("--transformer-heads", type=int, default=4)
+    g.add_argument("--transformer-seq", type=int, default=32)
+    g.add_argument("--transformer-batches", type=_ints, default=[8, 32, 128])
+    g = p.add_argument_group("method")
+    g.add_argument("--warmup", type=int, default=5, help="warm-up steps per side, reported apart")
+    g.add_argument("--steps", type=int, default=30, help="steady-state steps per side")
+    g.add_argument("--mem-steps", type=int, default=3, help="steps per side for peak memory")
+    g.add_argument("--streams", type=int, default=4, help="OOOModule(streams=...)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="stop starting new points after this many seconds (0: no limit); "
+        "points not measured are listed in the report",
+    )
+    g.add_argument("--overhead-repeats", type=int, default=30)
+    g.add_argument("--overhead-calls", type=int, default=200)
+    g = p.add_argument_group("output")
+    g.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    g.add_argument("--json", type=Path, default=None, help="JSON path (default: in --out-dir)")
+    g.add_argument("--plot", type=Path, default=None, help="PNG path (default: beside the JSON)")
+    g.add_argument("--no-plot", action="store_true")
+    g.add_argument(
+        "--require-gpu", action="store_true", help="exit with status 2 if no CUDA GPU is visible"
+    )
+    g.add_argument(
+        "--summarize", type=Path, default=None, help="print the report of an earlier JSON and exit"
+    )
+    return p.parse_args(argv)
+
+
+def build_points(args: argparse.Namespace) -> list[Point]:
+    """The sweep: float32 first, then bfloat16; per precision, the families in order given.
+
+    The towers batch sweep starts at the issue's target point (batch 16 by default), so
+    a run cut short by ``--budget-s`` still has it.
+    """
+    points: list[Point] = []
+    dtypes: list[Dtype] = [d for d in DTYPES if d in args.dtypes]
+    for dtype in dtypes:
+        for family in args.models:
+            if family == "towers":
+                spec = ModelSpec.towers(args.towers, args.towers_width, args.towers_depth)
+                points += [Point(spec, b, dtype) for b in args.towers_batches]
+                for width in args.towers_widths:
+                    if width != args.towers_width:
+                        other = ModelSpec.towers(args.towers, width, args.towers_depth)
+                        points.append(Point(other, args.towers_batches[0], dtype))
+            elif family == "branches":
+                spec = ModelSpec.branches(
+                    args.branches, args.branches_channels, args.branches_depth, args.branches_image
+                )
+                points += [Point(spec, b, dtype) for b in args.branches_batches]
+            else:
+                spec = ModelSpec.transformer(
+                    args.transformer_depth,
+                    args.transformer_dim,
+                    args.transformer_heads,
+                    args.transformer_seq,
+                )
+                points += [Point(spec, b, dtype) for b in args.transformer_batches]
+    return points
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def environment(argv: Sequence[str]) -> dict[str, Any]:
+    """Where and how the run happened: date, versions, GPU, precision switches, command."""
+    gpu = torch.cuda.get_device_name(0) if gpu_available() else None
+    capability = torch.cuda.get_device_capability(0) if gpu_available() else None
+    return {
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "benchmarks/suite.py", *argv]),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": gpu,
+        "gpu_capability": list(capability) if capability else None,
+        "ooo_wrap": ooo_wrap.__version__,
+        "ooo_wrap_path": str(Path(ooo_wrap.__file__).parent),
+        "git_commit": _git_commit(),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+    }
+
+
+def output_stem(env: dict[str, Any]) -> str:
+    """``<date>T<hhmm>Z_<gpu>``, e.g. ``2026-11-30T0415Z_nvidia-h200``."""
+    stamp = dt.datetime.fromisoformat(env["date_utc"]).strftime("%Y-%m-%dT%H%MZ")
+    device = env["gpu"] or "cpu-only"
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    return f"{stamp}_{slug}"
+
+
+class Progress:
+    """One progress line on a stream: rewritten in place on a terminal, else one per point."""
+
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
+        self._stream = stream
+        self._tty = stream.isatty()
+
+    def show(self, text: str) -> None:
+        if self._tty:
+            self._stream.write("\r\x1b[K" + text)
+        else:
+            self._stream.write(text + "\n")
+        self._stream.flush()
+
+    def close(self) -> None:
+        if self._tty:
+            self._stream.write("\n")
+            self._stream.flush()
+
+
+def run_gpu(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """Measure every point on the GPU; the report as a JSON-ready dict."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    points = build_points(args)
+    progress = Progress()
+    results: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    start = time.monotonic()
+    for i, point in enumerate(points, 1):
+        elapsed = time.monotonic() - start
+        if args.budget_s and elapsed > args.budget_s:
+            skipped.append(str(point))
+            continue
+        progress.show(f"[{i}/{len(points)} {elapsed:5.0f}s] measuring {point} ...")
+        record = measure_point(
+            point,
+            device,
+            warmup=args.warmup,
+            steps=args.steps,
+            mem_steps=args.mem_steps,
+            streams=args.streams,
+            seed=args.seed,
+            lr=args.lr,
+        )
+        results.append(record)
+        progress.show(
+            f"[{i}/{len(points)} {time.monotonic() - start:5.0f}s] {point}: "
+            f"plain {record['plain']['median_ms']:.3f} ms, "
+            f"wrapped {record['wrapped']['median_ms']:.3f} ms ({record['speedup']:.3f}x)"
+        )
+    progress.close()
+    progress.show("measuring host overhead of the hooks ...")
+    host = overhead.measure(args.overhead_repeats, args.overhead_calls)
+    progress.close()
+    return {
+        "schema": 1,
+        "kind": "gpu",
+        "environment": environment(argv),
+        "settings": _settings(args),
+        "results": results,
+        "skipped": skipped,
+        "host_overhead": host,
+    }
+
+
+def run_cpu_only(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """No GPU: only the host overhead of the hooks, and a plain statement of why."""
+    host = overhead.measure(args.overhead_repeats, args.overhead_calls)
+    return {
+        "schema": 1,
+        "kind": "cpu-only",
+        "note": CPU_ONLY_MESSAGE,
+        "environment": environment(argv),
+        "settings": _settings(args),
+        "results": [],
+        "skipped": [],
+        "host_overhead": host,
+    }
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "mem_steps": args.mem_steps,
+        "streams": args.streams,
+        "seed": args.seed,
+        "optimizer": OPTIMIZER.format(lr=args.lr),
+        "timing": "per step: synchronize, perf_counter, zero_grad + forward (autocast for "
+        "bfloat16) + loss + backward + optimizer.step, synchronize, perf_counter",
+        "budget_s": args.budget_s,
+        "overhead_repeats": args.overhead_repeats,
+        "overhead_calls": args.overhead_calls,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the suite; returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.summarize is not None:
+        report = json.loads(args.summarize.read_text(encoding="utf-8"))
+        print(render_report(report))
+        return 0
+    if not gpu_available():
+        if args.require_gpu:
+            print(
+                f"error: no CUDA GPU visible to PyTorch (torch {torch.__version__}, "
+                f"built with CUDA {torch.version.cuda}); --require-gpu was given",
+                file=sys.stderr,
+            )
+            return 2
+        print(CPU_ONLY_MESSAGE, file=sys.stderr)
+        report = run_cpu_only(args, argv)
+    else:
+        report = run_gpu(args, argv)
+    stem = output_stem(report["environment"])
+    json_path = args.json or args.out_dir / f"{stem}.json"
+    print(render_report(report))
+    print()
+    print(f"JSON: {write_json(report, json_path)}")
+    if report["results"] and not args.no_plot:
+        plot = write_plot(report["results"], args.plot or json_path.with_suffix(".png"))
+        if plot is not None:
+            print(f"plot: {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The benchmark code paths that run on a CPU: models, measurement loop, reports, CPU-only mode.
+
+Speed is never asserted here (the CPU numbers mean nothing for the GPU); the structure of
+what the suite measures and writes is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ooo_wrap
+from benchmarks import report, suite
+from benchmarks.measure import Point, measure_point, summarize_times
+from benchmarks.models import ModelSpec
+from ooo_wrap.testing import SimulatedBackend
+from scripts import sanitizer_check
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+SMALL = {
+    "towers": ModelSpec.towers(3, 16, 2),
+    "branches": ModelSpec.branches(4, 4, 2, 8),
+    "transformer": ModelSpec.transformer(2, 16, 2, 8),
+}
+STAGES = {"towers": 3, "branches": 4 + 2, "transformer": 2}  # branches: stem and head too
+
+
+@pytest.mark.parametrize("family", sorted(SMALL))
+def test_models_build_train_and_plan(family: str) -> None:
+    spec = SMALL[family]
+    model = spec.build()
+    x, y = spec.make_batch(2)
+    loss = spec.loss(model(x), y)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert all(p.grad is not None for p in model.parameters())
+    assert len(ooo_wrap.plan(model, streams=4).stages) == STAGES[family]
+
+
+@pytest.mark.parametrize("family", sorted(SMALL))
+def test_one_seed_builds_one_model(family: str) -> None:
+    a, b = SMALL[family].build(seed=3).state_dict(), SMALL[family].build(seed=3).state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_spec_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="width"):
+        ModelSpec.towers(2, 0, 2)
+    with pytest.raises(ValueError, match="unknown family"):
+        ModelSpec("mlp", 1, 1, 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="extent"):
+        ModelSpec("branches", 1, 1, 1)
+
+
+def test_summarize_times() -> None:
+    summary = summarize_times([0.001 * i for i in range(1, 11)], batch=4)
+    assert summary["median_ms"] == pytest.approx(5.5)
+    assert summary["p10_ms"] == pytest.approx(1.9)
+    assert summary["p90_ms"] == pytest.approx(9.1)
+    assert summary["samples_per_s"] == pytest.approx(4 / 0.0055)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_measure_point_on_cpu_with_virtual_streams(dtype: Any) -> None:
+    spec = SMALL["towers"]
+    record = measure_point(
+        Point(spec, 2, dtype), CPU, warmup=2, steps=3, mem_steps=1, backend=SimulatedBackend()
+    )
+    assert record["model"] == "towers" and record["batch"] == 2 and record["dtype"] == dtype
+    for side in ("plain", "wrapped"):
+        s = record[side]
+        assert len(s["warmup_ms"]) == 2 and len(s["first_steps_ms"]) == 1
+        assert s["p10_ms"] <= s["median_ms"] <= s["p90_ms"]
+        assert s["peak_memory_bytes"] is None  # measured on CUDA only
+    wrapped = record["wrapped"]
+    assert wrapped["active"] and wrapped["stages"] == 3 and wrapped["streams"] == 3
+    # Per step: one forward, each tower one stage call and one wait, record_stream on its
+    # input and its output, joins per stage call plus one per stream at the root.
+    assert wrapped["stats_per_step"] == {
+        "forwards": 1,
+        "stage_calls": 3,
+        "waits": 3,
+        "record_streams": 6,
+        "joins": 6,
+        "bypasses": 0,
+        "failures": 0,
+    }
+    assert record["memory_ratio"] is None
+    assert wrapped["final_loss"] == record["plain"]["final_loss"]  # same math on the CPU
+
+
+def test_measure_point_rejects_no_steps() -> None:
+    with pytest.raises(ValueError, match="steps"):
+        measure_point(Point(SMALL["towers"], 2, "float32"), CPU, steps=0)
+
+
+def test_fallback_is_recorded_not_hidden() -> None:
+    record = measure_point(Point(SMALL["towers"], 2, "float32"), CPU, warmup=0, steps=1)
+    assert not record["wrapped"]["active"]  # a CPU model without a backend falls back
+    assert any("disabled/cpu" in event for event in record["wrapped"]["events"])
+    assert "not wrapped: disabled/cpu" in report.markdown_table([record])
+
+
+def _side(median: float, peak: int | None) -> dict[str, Any]:
+    return {
+        "median_ms": median,
+        "p10_ms": median * 0.9,
+        "p90_ms": median * 1.1,
+        "samples_per_s": 16 / (median / 1e3),
+        "peak_memory_bytes": peak,
+        "warmup_ms": [median * 10],
+        "first_steps_ms": [median * 100],
+        "final_loss": 1.0,
+    }
+
+
+def fake_record(
+    model: str, size: dict[str, int], batch: int, speedup: float, memory_ratio: float = 1.0
+) -> dict[str, Any]:
+    """A record shaped like measure_point's, with chosen numbers."""
+    wrapped = _side(2.0 / speedup, int(2**20 * memory_ratio))
+    wrapped.update(
+        active=True,
+        events=[],
+        stages=8,
+        streams=4,
+        stats_per_step={"waits": 8, "record_streams": 16},
+    )
+    return {
+        "model": model,
+        "label": f"{model} {size}",
+        "size": size,
+        "batch": batch,
+        "dtype": "float32",
+        "plain": _side(2.0, 2**20),
+        "wrapped": wrapped,
+        "speedup": speedup,
+        "memory_ratio": memory_ratio,
+    }
+
+
+TARGET = {"towers": 8, "width": 2048, "depth": 4}
+TRANSFORMER = {"blocks": 4, "dim": 64, "heads": 4, "seq": 32}
+
+
+def test_markdown_table_has_the_columns_and_a_row_per_record() -> None:
+    records = [fake_record("towers", TARGET, 16, 1.25), fake_record("towers", TARGET, 64, 0.8)]
+    lines = report.markdown_table(records).splitlines()
+    assert len(lines) == 2 + len(records)
+    header = lines[0]
+    for column in ("plain ms median", "wrapped ms median", "speedup", "samples/s", "peak MiB"):
+        assert column in header
+    assert "waits / record_streams per step" in header
+    assert "| 1.250x |" in lines[2] and "| 0.800x |" in lines[3]
+    assert "| 8 / 16 |" in lines[2]
+    assert lines[1].count("---") == header.count("|") - 1
+
+
+def test_targets_are_reported_met_or_not() -> None:
+    lines = report.targets_lines(
+        [
+            fake_record("towers", TARGET, 16, 1.4, memory_ratio=1.05),
+            fake_record("towers", TARGET, 256, 0.9),
+            fake_record("transformer", TRANSFORMER, 8, 0.95, memory_ratio=1.2),
+        ]
+    )
+    text = "\n".join(lines)
+    assert "measured 1.400x (met)" in text
+    assert "0.900x" in text and "1.400x" in text  # the whole towers curve, low to high
+    assert "worst 0.950x" in text and "(NOT met)" in text
+    assert "worst 1.200x" in text
+    missing = "\n".join(report.targets_lines([]))
+    assert missing.count("not measured in this run") == 3
+
+
+def test_cpu_only_run_is_honest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(suite, "gpu_available", lambda: False)
+    status = suite.main(
+        ["--out-dir", str(tmp_path), "--overhead-repeats", "2", "--overhead-calls", "5"]
+    )
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "need a GPU and are not measured here" in out
+    assert "| model |" not in out and " ms median" not in out  # no speed table at all
+    assert "added per stage call" in out
+    (path,) = tmp_path.glob("*_cpu-only.json")
+    data = json.loads(path.read_text())
+    assert data["kind"] == "cpu-only" and data["results"] == []
+    assert set(data["host_overhead"]) == {
+        "plain_us_per_forward",
+        "wrapped_us_per_forward",
+        "added_us_per_stage_call",
+    }
+    assert data["environment"]["gpu"] is None
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_require_gpu_fails_without_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(suite, "gpu_available", lambda: False)
+    assert suite.main(["--require-gpu"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_summarize_prints_an_earlier_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = {
+        "kind": "gpu",
+        "environment": suite.environment(["--steps", "30"]),
+        "settings": suite._settings(suite.parse_args([])),
+        "results": [fake_record("towers", TARGET, 16, 1.3)],
+        "skipped": ["branches batch=256 bfloat16"],
+        "host_overhead": {
+            "plain_us_per_forward": 70.0,
+            "wrapped_us_per_forward": 150.0,
+            "added_us_per_stage_call": 3.3,
+        },
+    }
+    path = report.write_json(data, tmp_path / "sub" / "r.json")
+    assert suite.main(["--summarize", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| model |" in out and "measured 1.300x (met)" in out
+    assert "Not measured (time budget spent): branches batch=256 bfloat16" in out
+    assert "3.30 µs" in out
+
+
+def test_default_sweep_starts_at_the_target_point() -> None:
+    points = suite.build_points(suite.parse_args([]))
+    assert points[0] == Point(ModelSpec.towers(8, 2048, 4), 16, "float32")
+    assert len(points) == 2 * (3 + 3 + 3 + 3)  # per dtype: towers batch + width, branches, tf
+    assert [p.dtype for p in points[:12]] == ["float32"] * 12
+    widths = {p.spec.width for p in points if p.spec.family == "towers"}
+    assert widths == {512, 1024, 2048, 4096}
+
+
+def test_bad_flags_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        suite.parse_args(["--models", "towers,resnet"])
+    assert "resnet" in capsys.readouterr().err
+
+
+def test_output_name_has_date_and_gpu() -> None:
+    env = {"date_utc": "2026-11-30T04:15:09+00:00", "gpu": "NVIDIA H200"}
+    assert suite.output_stem(env) == "2026-11-30T0415Z_nvidia-h200"
+
+
+def test_plot_is_skipped_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    records = [fake_record("towers", TARGET, 16, 1.2)]
+    assert report.write_plot(records, tmp_path / "p.png") is None
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_is_written_with_matplotlib(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    narrow = {**TARGET, "width": 512}
+    records = [
+        fake_record("towers", TARGET, 16, 1.2),
+        fake_record("towers", TARGET, 64, 1.1),
+        fake_record("towers", narrow, 16, 1.4),
+        fake_record("transformer", TRANSFORMER, 8, 0.98),
+    ]
+    path = report.write_plot(records, tmp_path / "p.png")
+    assert path is not None and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sanitizer_check_refuses_to_run_without_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sanitizer_check.main([]) == sanitizer_check.EXIT_SETUP
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_sanitizer_cases_cover_every_family() -> None:
+    names = " ".join(case.name for case in sanitizer_check.cases())
+    for family in ("towers", "branches", "transformer", "quickstart"):
+        assert family in names
+
+
+def test_gpu_check_script_parses() -> None:
+    result = subprocess.run(
+        ["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path of the script")
+def test_gpu_check_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path)}
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "no CUDA GPU" in result.stdout + result.stderr
+    assert "pip install" not in (tmp_path / "gpu_check.log").read_text()

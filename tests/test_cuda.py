@@ -1,0 +1,341 @@
+"""On a CUDA GPU: parity wrapped vs plain, streams really used, fallbacks, the benchmark path.
+
+Every test here is marked ``cuda`` and skipped on a machine without one (see conftest);
+``scripts/gpu_check.sh`` runs them with ``pytest -m cuda`` and fails if they were skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import ooo_wrap
+from benchmarks import suite
+from benchmarks.measure import Point, measure_point
+from benchmarks.models import ModelSpec
+from examples import quickstart, transformer
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = torch.device("cuda")
+REL_TOL = 1e-6  # float32 parity, relative (per tensor, in the 2-norm)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32() -> Iterator[None]:
+    """Both sides must run the same kernels: no TF32, no autotuning, deterministic cuDNN."""
+    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
+    saved = (cuda.matmul.allow_tf32, cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark)
+    cuda.matmul.allow_tf32, cudnn.allow_tf32 = False, False
+    cudnn.deterministic, cudnn.benchmark = True, False
+    yield
+    cuda.matmul.allow_tf32, cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = saved
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model to compare: how to build it (on the CPU, seeded), feed it and score it."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[], Batch]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _quickstart_batch() -> Batch:
+    x = quickstart.example_input(32)
+    return x, torch.randint(0, quickstart.CLASSES, (x.shape[0],))
+
+
+def _transformer_batch() -> Batch:
+    tokens = transformer.example_input(8)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
+def _spec_case(spec: ModelSpec, batch: int) -> Case:
+    return Case(f"bench {spec.label}", spec.build, lambda: spec.make_batch(batch), spec.loss)
+
+
+CASES = [
+    Case(
+        "quickstart Towers",
+        quickstart.build_model,
+        _quickstart_batch,
+        lambda out, y: F.cross_entropy(out, y),
+    ),
+    Case("example TinyTransformer", transformer.build_model, _transformer_batch, _token_loss),
+    _spec_case(ModelSpec.towers(4, 256, 3), 8),
+    _spec_case(ModelSpec.branches(4, 16, 2, 16), 4),
+    _spec_case(ModelSpec.transformer(4, 128, 4, 32), 4),
+]
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.detach().double(), expected.detach().double()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
+def _wrap_copy(plain: nn.Module) -> ooo_wrap.OOOModule:
+    wrapped = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4)
+    assert isinstance(wrapped, ooo_wrap.OOOModule), ooo_wrap.events_for(wrapped)
+    return wrapped
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_parity_of_outputs_gradients_and_training(case: Case) -> None:
+    plain = case.build().to(DEVICE)
+    wrapped = _wrap_copy(plain)
+    x, y = (t.to(DEVICE) for t in case.batch())
+    sides = [
+        (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        for model in (plain, wrapped)
+    ]
+    steps = 3
+    for step in range(steps):
+        outputs = []
+        for model, optimizer in sides:
+            optimizer.zero_grad(set_to_none=True)
+            # The math attention kernels are deterministic; the fused ones may use atomics.
+            with sdpa_kernel(SDPBackend.MATH):
+                output = model(x)
+            case.loss(output, y).backward()
+            outputs.append(output.detach())
+        torch.cuda.synchronize()
+        assert _rel_err(outputs[1], outputs[0]) <= REL_TOL, f"output, step {step}"
+        for (name, p), (wname, w) in zip(
+            plain.named_parameters(), wrapped.named_parameters(), strict=True
+        ):
+            assert name == wname
+            assert (p.grad is None) == (w.grad is None), name
+            if p.grad is not None and w.grad is not None:
+                err = _rel_err(w.grad, p.grad)
+                assert err <= REL_TOL, f"grad of {name}, step {step}: {err:.2e}"
+        for _, optimizer in sides:
+            optimizer.step()
+    for (name, p), (_, w) in zip(
+        plain.state_dict().items(), wrapped.state_dict().items(), strict=True
+    ):
+        if p.is_floating_point():
+            assert _rel_err(w, p) <= REL_TOL, f"{name} after {steps} steps"
+        else:
+            assert torch.equal(w, p), name
+    stats = wrapped.stats
+    assert stats.stage_calls == steps * len(wrapped.plan.stages)
+    assert stats.bypasses == 0 and stats.failures == 0
+
+
+def _current_stream() -> int:
+    return int(torch.cuda.current_stream(DEVICE).cuda_stream)
+
+
+def test_stages_run_forward_and_backward_on_side_streams() -> None:
+    model = _wrap_copy(quickstart.build_model().to(DEVICE))
+    ambient = _current_stream()
+    forward: dict[str, int] = {}
+    backward: dict[str, int] = {}
+    names = [stage.name for stage in model.plan.stages]
+
+    def on_forward(name: str) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: object) -> None:
+            forward[name] = _current_stream()
+
+        return pre_hook
+
+    def on_output(name: str) -> Callable[..., None]:
+        def backward_hook(grad: torch.Tensor) -> None:
+            # Tensor hooks run inside the engine's stream guard for the node that made the
+            # tensor, so this is the stream the stage's backward runs on.
+            backward[name] = _current_stream()
+
+        def post_hook(module: nn.Module, args: object, output: torch.Tensor) -> None:
+            output.register_hook(backward_hook)  # returns None: the output stays as it is
+
+        return post_hook
+
+    for name in names:
+        stage = model.get_submodule(name)
+        # Registered after wrapping, so they run after the wrapper's own hooks: the pre-hook
+        # sees the stage's stream, the post-hook sees the output the stage made there.
+        stage.register_forward_pre_hook(on_forward(name))
+        stage.register_forward_hook(on_output(name))
+    x = quickstart.example_input(16).to(DEVICE)
+    out = model(x)
+    assert _current_stream() == ambient, "the caller's stream was not restored"
+    out.sum().backward()
+    torch.cuda.synchronize()
+
+    assert set(forward) == set(names)
+    assert ambient not in forward.values()
+    assert len(set(forward.values())) == model.plan.num_streams
+    by_index: dict[int, set[int]] = {}
+    for planned in model.plan.stages:
+        by_index.setdefault(planned.stream, set()).add(forward[planned.name])
+    assert all(len(handles) == 1 for handles in by_index.values())
+    assert backward == forward
+    assert model.stats.stage_calls == len(names)
+
+
+def test_profiler_sees_kernels_on_the_side_streams(tmp_path: Path) -> None:
+    spec = ModelSpec.towers(4, 512, 3)
+    model = _wrap_copy(spec.build().to(DEVICE))
+    x, y = spec.make_batch(16, DEVICE)
+    spec.loss(model(x), y).backward()  # warm-up: the first use of a stream is not profiled
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        spec.loss(model(x), y).backward()
+        torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [e for e in events if str(e.get("cat", "")).lower() == "kernel"]
+    if not kernels:
+        pytest.skip("the profiler recorded no CUDA kernels on this machine (CUPTI unavailable?)")
+    streams = {e["args"]["stream"] for e in kernels if "stream" in e.get("args", {})}
+    # Side streams for the towers, plus the caller's for the sum and the loss.
+    assert len(streams) >= model.plan.num_streams + 1, streams
+
+
+def test_cpu_model_falls_back_even_with_cuda_present() -> None:
+    model = quickstart.build_model()
+    result: nn.Module = ooo_wrap.OOOModule(model, streams=4)
+    assert result is model
+    assert type(result) is quickstart.Towers
+    assert [(e.kind, e.reason) for e in ooo_wrap.events_for(result)] == [
+        (ooo_wrap.EventKind.DISABLED, "cpu")
+    ]
+
+
+def test_single_stage_model_on_cuda_falls_back() -> None:
+    model = nn.Sequential(nn.Linear(8, 8)).to(DEVICE)
+    result: nn.Module = ooo_wrap.OOOModule(model, streams=4)
+    assert result is model and not isinstance(result, ooo_wrap.OOOModule)
+    assert ooo_wrap.events_for(result)[-1].reason == "too_few_stages"
+
+
+def test_disabled_runs_stages_inline_on_the_callers_stream() -> None:
+    model = _wrap_copy(quickstart.build_model().to(DEVICE))
+    ambient = _current_stream()
+    seen: list[int] = []
+
+    def pre_hook(module: nn.Module, args: object) -> None:
+        seen.append(_current_stream())
+
+    for stage in model.plan.stages:
+        model.get_submodule(stage.name).register_forward_pre_hook(pre_hook)
+    with ooo_wrap.disabled():
+        model(quickstart.example_input(4).to(DEVICE)).sum().backward()
+    assert seen and set(seen) == {ambient}
+    assert model.stats.stage_calls == 0
+    assert model.stats.bypasses == len(model.plan.stages)
+    assert any(e.reason == "disabled" for e in model.events)
+
+
+class _Raises(nn.Module):
+    """A stage (it has parameters) whose forward always raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+class _Fragile(nn.Module):
+    """Two stages; the second one raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([nn.Linear(8, 8), _Raises()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.stages[1](self.stages[0](x))
+        return out
+
+
+def test_stage_failure_restores_the_stream_and_training_continues() -> None:
+    model = _wrap_copy(_Fragile().to(DEVICE))
+    ambient = _current_stream()
+    x = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(x)
+    assert _current_stream() == ambient
+    assert any(e.kind is ooo_wrap.EventKind.STAGE_FAILED for e in model.events)
+    assert model.stats.failures == 1
+    # The stage that did not raise still trains afterwards, and the stream is restored.
+    calls = model.stats.stage_calls
+    model.get_submodule("stages.0")(x).sum().backward()
+    torch.cuda.synchronize()
+    assert _current_stream() == ambient
+    assert model.stats.stage_calls == calls + 1
+
+
+def test_unwrap_on_cuda_restores_the_model() -> None:
+    model = _wrap_copy(quickstart.build_model().to(DEVICE))
+    x = quickstart.example_input(4).to(DEVICE)
+    model(x).sum().backward()
+    plain = model.unwrap()
+    assert type(plain) is quickstart.Towers
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in plain.modules())
+    plain(x).sum().backward()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_measure_point_on_cuda(dtype: str) -> None:
+    point = Point(ModelSpec.towers(4, 256, 2), 8, dtype)  # type: ignore[arg-type]
+    record = measure_point(point, DEVICE, warmup=1, steps=3, mem_steps=2)
+    plain, wrapped = record["plain"], record["wrapped"]
+    assert wrapped["active"], wrapped["events"]
+    assert plain["peak_memory_bytes"] > 0 and wrapped["peak_memory_bytes"] > 0
+    assert math.isfinite(record["speedup"]) and record["speedup"] > 0
+    assert record["memory_ratio"] > 0
+    per_step = wrapped["stats_per_step"]
+    assert per_step["stage_calls"] == 4 and per_step["waits"] == 4
+    assert per_step["record_streams"] == 8  # each tower: its input and its output
+    assert len(plain["warmup_ms"]) == 1 and len(plain["first_steps_ms"]) == 2
+    if dtype == "float32":
+        assert abs(wrapped["final_loss"] - plain["final_loss"]) <= REL_TOL * abs(
+            plain["final_loss"]
+        )
+
+
+def test_suite_on_cuda_writes_json_and_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "run.json"
+    status = suite.main(
+        [
+            "--models", "towers,transformer", "--dtypes", "float32",
+            "--towers", "2", "--towers-width", "128", "--towers-depth", "2",
+            "--towers-batches", "4,8", "--towers-widths", "64",
+            "--transformer-batches", "2",
+            "--warmup", "1", "--steps", "2", "--mem-steps", "1",
+            "--overhead-repeats", "2", "--overhead-calls", "5",
+            "--json", str(path), "--no-plot",
+        ]
+    )  # fmt: skip
+    assert status == 0
+    report = json.loads(path.read_text())
+    assert report["kind"] == "gpu" and report["environment"]["gpu"]
+    assert [r["batch"] for r in report["results"]] == [4, 8, 4, 2]
+    assert all(r["wrapped"]["active"] for r in report["results"])
+    out = capsys.readouterr().out
+    assert "| model |" in out and "Targets" in out
