@@ -194,7 +194,11 @@ def render_report(report: Mapping[str, Any]) -> str:
         skipped = report.get("skipped") or []
         if skipped:
             lines.append("")
-            lines.append(f"Not measured (time budget spent): {', '.join(skipped)}")
+            lines.append("Not measured: " + "; ".join(skipped))
+        errors = report.get("errors") or []
+        if errors:
+            lines.append("")
+            lines += ["FAILED points:", *(f"- {error}" for error in errors)]
         lines.append("")
     lines.append("Host overhead of the hooks (backend stream calls made free, CPU):")
     lines += overhead_lines(report["host_overhead"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import platform
 import re
@@ -219,8 +220,8 @@ def output_stem(env: dict[str, Any]) -> str:
 class Progress:
     """One progress line on a stream: rewritten in place on a terminal, else one per point."""
 
-    def __init__(self, stream: TextIO = sys.stderr) -> None:
-        self._stream = stream
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream if stream is not None else sys.stderr
         self._tty = stream.isatty()
 
     def show(self, text: str) -> None:
@@ -236,30 +237,45 @@ class Progress:
             self._stream.flush()
 
 
-def run_gpu(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    """Measure every point on the GPU; the report as a JSON-ready dict."""
-    device = torch.device("cuda", torch.cuda.current_device())
+def run_gpu(
+    args: argparse.Namespace, argv: Sequence[str], device: torch.device | None = None
+) -> dict[str, Any]:
+    """Measure every point on the GPU (or ``device``); the report as a JSON-ready dict."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     points = build_points(args)
     progress = Progress()
     results: list[dict[str, Any]] = []
     skipped: list[str] = []
+    errors: list[str] = []
     start = time.monotonic()
     for i, point in enumerate(points, 1):
         elapsed = time.monotonic() - start
         if args.budget_s and elapsed > args.budget_s:
-            skipped.append(str(point))
+            skipped.append(f"{point} (time budget spent)")
             continue
         progress.show(f"[{i}/{len(points)} {elapsed:5.0f}s] measuring {point} ...")
-        record = measure_point(
-            point,
-            device,
-            warmup=args.warmup,
-            steps=args.steps,
-            mem_steps=args.mem_steps,
-            streams=args.streams,
-            seed=args.seed,
-            lr=args.lr,
-        )
+        try:
+            record = measure_point(
+                point,
+                device,
+                warmup=args.warmup,
+                steps=args.steps,
+                mem_steps=args.mem_steps,
+                streams=args.streams,
+                seed=args.seed,
+                lr=args.lr,
+            )
+        except torch.cuda.OutOfMemoryError:
+            # A size too big for this GPU is a fact about the GPU, not a failed run.
+            skipped.append(f"{point} (out of memory on this GPU)")
+            _release_memory()
+            continue
+        except Exception as error:  # report it with the rest rather than lose the run
+            errors.append(f"{point}: {type(error).__name__}: {error}")
+            progress.show(f"[{i}/{len(points)}] {point}: FAILED: {type(error).__name__}: {error}")
+            _release_memory()
+            continue
         results.append(record)
         progress.show(
             f"[{i}/{len(points)} {time.monotonic() - start:5.0f}s] {point}: "
@@ -277,8 +293,15 @@ def run_gpu(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "settings": _settings(args),
         "results": results,
         "skipped": skipped,
+        "errors": errors,
         "host_overhead": host,
     }
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_cpu_only(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
@@ -292,6 +315,7 @@ def run_cpu_only(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any
         "settings": _settings(args),
         "results": [],
         "skipped": [],
+        "errors": [],
         "host_overhead": host,
     }
 
@@ -341,6 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot = write_plot(report["results"], args.plot or json_path.with_suffix(".png"))
         if plot is not None:
             print(f"plot: {plot}")
+    if report["errors"]:
+        print(f"error: {len(report['errors'])} points failed; see the report", file=sys.stderr)
+        return 1
     return 0
 
 

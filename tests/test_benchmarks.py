@@ -224,7 +224,8 @@ def test_summarize_prints_an_earlier_report(
         "environment": suite.environment(["--steps", "30"]),
         "settings": suite._settings(suite.parse_args([])),
         "results": [fake_record("towers", TARGET, 16, 1.3)],
-        "skipped": ["branches batch=256 bfloat16"],
+        "skipped": ["branches batch=256 bfloat16 (time budget spent)"],
+        "errors": ["towers batch=64 float32: RuntimeError: boom"],
         "host_overhead": {
             "plain_us_per_forward": 70.0,
             "wrapped_us_per_forward": 150.0,
@@ -235,8 +236,30 @@ def test_summarize_prints_an_earlier_report(
     assert suite.main(["--summarize", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| model |" in out and "measured 1.300x (met)" in out
-    assert "Not measured (time budget spent): branches batch=256 bfloat16" in out
+    assert "Not measured: branches batch=256 bfloat16 (time budget spent)" in out
+    assert "FAILED points:\n- towers batch=64 float32: RuntimeError: boom" in out
     assert "3.30 µs" in out
+
+
+def test_a_failing_point_is_reported_and_the_run_goes_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fake_measure(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
+        if point.batch == 64:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        if point.batch == 256:
+            raise RuntimeError("boom")
+        return fake_record("towers", TARGET, point.batch, 1.1)
+
+    monkeypatch.setattr(suite, "measure_point", fake_measure)
+    monkeypatch.setattr(suite, "environment", lambda argv: {"gpu": "test"})
+    flags = "--models towers --dtypes float32 --towers-widths 2048 --overhead-repeats 1"
+    args = suite.parse_args([*flags.split(), "--overhead-calls", "2"])
+    data = suite.run_gpu(args, [], device=CPU)
+    assert [r["batch"] for r in data["results"]] == [16]
+    assert data["skipped"] == ["towers K=8 W=2048 D=4 batch=64 float32 (out of memory on this GPU)"]
+    assert data["errors"] == ["towers K=8 W=2048 D=4 batch=256 float32: RuntimeError: boom"]
+    assert "FAILED: RuntimeError: boom" in capsys.readouterr().err
 
 
 def test_default_sweep_starts_at_the_target_point() -> None:
