@@ -222,7 +222,7 @@ class Progress:
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self._stream = stream if stream is not None else sys.stderr
-        self._tty = stream.isatty()
+        self._tty = self._stream.isatty()
 
     def show(self, text: str) -> None:
         if self._tty:
