@@ -259,6 +259,9 @@ def write_plot(records: Sequence[Record], path: Path) -> Path | None:
             ax.plot(xs, ys, marker="o", label=name)
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         ax.set_xscale("log", base=2)
+        ticks = sorted({x for points in series.values() for x, _ in points})
+        ax.set_xticks(ticks, [str(t) for t in ticks])  # 16, 64, ... rather than 2^4, 2^6
+        ax.minorticks_off()
         ax.set_xlabel(xlabel)
         ax.set_ylabel("speedup (plain step time / wrapped)")
         ax.legend(fontsize=7)
