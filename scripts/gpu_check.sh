@@ -31,8 +31,6 @@ OUT_DIR="${OUT:-$ROOT/gpu_check_out/$STAMP}"
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 LOG="$OUT_DIR/gpu_check.log"
-: >"$LOG"
-exec > >(tee -a "$LOG") 2>&1 # everything below is also in the log
 export PYTHONUNBUFFERED=1
 CSAN_REPORT="CSAN detected a possible data race"
 
@@ -58,6 +56,8 @@ seconds_for() { # a step's timeout: what it asks for, within the time left, at l
 if ! command -v timeout >/dev/null 2>&1; then
   timeout() { shift; "$@"; } # no coreutils timeout: run without a limit
 fi
+# The steps. Not indented, so that the Python heredocs keep their terminators in column 0.
+main() {
 trap 'echo "[gpu_check] unexpected error at line $LINENO; logs in $OUT_DIR" >&2' ERR
 
 say "ooo_wrap GPU check in $ROOT (git $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)); output in $OUT_DIR"
@@ -217,4 +217,10 @@ elapsed=$((SECONDS - START))
   if ((elapsed > 480)); then echo "WARNING: took ${elapsed}s, over the 8-minute goal."; fi
   if ((FAILED)); then echo "RESULT: FAILED (see the logs in $OUT_DIR)"; else echo "RESULT: all checks passed"; fi
 } | tee "$OUT_DIR/summary.md"
-exit "$FAILED"
+return "$FAILED"
+}
+
+# Everything is shown and also kept in the log; the status is main's.
+status=0
+main 2>&1 | tee "$LOG" || status=$?
+exit "$status"
