@@ -5,9 +5,10 @@ For one :class:`Point` (model spec, batch size, precision) on one device:
 1. One reference model is built from the seed; each side is a deep copy of it, so plain
    and wrapped start from identical parameters. Inputs and targets are made once and
    shared by both sides.
-2. Memory phase, each side alone: the peak device memory of a few steps of that side
-   (``reset_peak_memory_stats`` first, the memory already allocated before the side was
-   built subtracted). These are also each side's first steps, reported as such.
+2. Memory phase, each side alone: the peak device memory (allocated, and reserved by the
+   caching allocator) of a few steps of that side (``reset_peak_memory_stats`` first, the
+   memory already held before the side was built subtracted). These are also each side's
+   first steps, reported as such.
 3. Timing phase, both sides resident: steps interleaved plain, wrapped, plain, wrapped...
    so that clock and thermal drift hit both alike. Every step is synchronized before and
    after, so a step's time is what the caller waits for: zero_grad, forward (under
@@ -164,10 +165,11 @@ def measure_point(
     for name in SIDES:
         gc.collect()
         sync()
-        base = 0
+        base = base_reserved = 0
         if on_cuda:
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated(device)
+            base_reserved = torch.cuda.memory_reserved(device)
             torch.cuda.reset_peak_memory_stats(device)
         side = make_side(name, reference)
         first: list[float] = []
@@ -177,8 +179,15 @@ def measure_point(
             side.step(spec, batch, point.dtype)
             sync()
             first.append(time.perf_counter() - start)
-        peak = torch.cuda.max_memory_allocated(device) - base if on_cuda else None
-        record[name] = {"first_steps_ms": [s * 1e3 for s in first], "peak_memory_bytes": peak}
+        record[name] = {"first_steps_ms": [s * 1e3 for s in first]}
+        # Allocated is what tensors use; reserved adds what the caching allocator holds,
+        # which side streams can raise (a freed block is reused only on its own stream).
+        record[name]["peak_memory_bytes"] = (
+            torch.cuda.max_memory_allocated(device) - base if on_cuda else None
+        )
+        record[name]["peak_reserved_bytes"] = (
+            torch.cuda.max_memory_reserved(device) - base_reserved if on_cuda else None
+        )
         del side
 
     # Timing phase: both sides resident, steps interleaved A/B/A/B.
@@ -215,8 +224,12 @@ def measure_point(
             key: (stats_after[key] - stats_before[key]) / steps for key in stats_after
         }
     record["speedup"] = record["plain"]["median_ms"] / wrapped["median_ms"]
-    plain_peak, wrapped_peak = record["plain"]["peak_memory_bytes"], wrapped["peak_memory_bytes"]
-    record["memory_ratio"] = wrapped_peak / plain_peak if plain_peak and wrapped_peak else None
+    for key, ratio in (
+        ("peak_memory_bytes", "memory_ratio"),
+        ("peak_reserved_bytes", "reserved_ratio"),
+    ):
+        plain_peak, wrapped_peak = record["plain"][key], wrapped[key]
+        record[ratio] = wrapped_peak / plain_peak if plain_peak and wrapped_peak else None
     del sides, wrapped_model
     gc.collect()
     if on_cuda:

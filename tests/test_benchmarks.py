@@ -83,6 +83,7 @@ def test_measure_point_on_cpu_with_virtual_streams(dtype: Any) -> None:
         assert len(s["warmup_ms"]) == 2 and len(s["first_steps_ms"]) == 1
         assert s["p10_ms"] <= s["median_ms"] <= s["p90_ms"]
         assert s["peak_memory_bytes"] is None  # measured on CUDA only
+        assert s["peak_reserved_bytes"] is None
     wrapped = record["wrapped"]
     assert wrapped["active"] and wrapped["stages"] == 3 and wrapped["streams"] == 3
     # Per step: one forward, each tower one stage call and one wait, record_stream on its
@@ -96,7 +97,7 @@ def test_measure_point_on_cpu_with_virtual_streams(dtype: Any) -> None:
         "bypasses": 0,
         "failures": 0,
     }
-    assert record["memory_ratio"] is None
+    assert record["memory_ratio"] is None and record["reserved_ratio"] is None
     assert wrapped["final_loss"] == record["plain"]["final_loss"]  # same math on the CPU
 
 
@@ -147,6 +148,7 @@ def fake_record(
         "wrapped": wrapped,
         "speedup": speedup,
         "memory_ratio": memory_ratio,
+        "reserved_ratio": memory_ratio * 1.5,
     }
 
 
@@ -180,6 +182,7 @@ def test_targets_are_reported_met_or_not() -> None:
     assert "0.900x" in text and "1.400x" in text  # the whole towers curve, low to high
     assert "worst 0.950x" in text and "(NOT met)" in text
     assert "worst 1.200x" in text
+    assert "reserved by the allocator, for reference: worst 1.800x" in text
     missing = "\n".join(report.targets_lines([]))
     assert missing.count("not measured in this run") == 3
 
