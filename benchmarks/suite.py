@@ -85,13 +85,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.splitlines()[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--models", type=_names(FAMILIES), default=list(FAMILIES))
-    p.add_argument("--dtypes", type=_names(DTYPES), default=list(DTYPES))
+    p.add_argument(
+        "--models", type=_names(FAMILIES), default=list(FAMILIES), help="comma-separated families"
+    )
+    p.add_argument(
+        "--dtypes",
+        type=_names(DTYPES),
+        default=list(DTYPES),
+        help="float32 and/or bfloat16 (autocast)",
+    )
     g = p.add_argument_group("towers (K independent MLPs, summed)")
     g.add_argument("--towers", type=int, default=8, help="number of towers K")
-    g.add_argument("--towers-width", type=int, default=2048)
+    g.add_argument("--towers-width", type=int, default=2048, help="layer width")
     g.add_argument("--towers-depth", type=int, default=4, help="linear layers per tower")
-    g.add_argument("--towers-batches", type=_ints, default=[16, 64, 256])
+    g.add_argument("--towers-batches", type=_ints, default=[16, 64, 256], help="batch sweep")
     g.add_argument(
         "--towers-widths",
         type=_ints,
@@ -100,23 +107,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     g = p.add_argument_group("branches (Inception-style, concatenated)")
     g.add_argument("--branches", type=int, default=4, help="number of branches")
-    g.add_argument("--branches-channels", type=int, default=64)
+    g.add_argument("--branches-channels", type=int, default=64, help="channels per branch")
     g.add_argument("--branches-depth", type=int, default=2, help="convolutions per branch")
     g.add_argument("--branches-image", type=int, default=32, help="image side in pixels")
-    g.add_argument("--branches-batches", type=_ints, default=[16, 64, 256])
+    g.add_argument("--branches-batches", type=_ints, default=[16, 64, 256], help="batch sweep")
     g = p.add_argument_group("transformer (examples/transformer.py; defaults: its own size)")
     g.add_argument("--transformer-depth", type=int, default=4, help="blocks")
-    g.add_argument("--transformer-dim", type=int, default=64)
-    g.add_argument("--transformer-heads", type=int, default=4)
-    g.add_argument("--transformer-seq", type=int, default=32)
-    g.add_argument("--transformer-batches", type=_ints, default=[8, 32, 128])
+    g.add_argument("--transformer-dim", type=int, default=64, help="model width")
+    g.add_argument("--transformer-heads", type=int, default=4, help="attention heads")
+    g.add_argument("--transformer-seq", type=int, default=32, help="sequence length")
+    g.add_argument("--transformer-batches", type=_ints, default=[8, 32, 128], help="batch sweep")
     g = p.add_argument_group("method")
     g.add_argument("--warmup", type=int, default=5, help="warm-up steps per side, reported apart")
     g.add_argument("--steps", type=int, default=30, help="steady-state steps per side")
     g.add_argument("--mem-steps", type=int, default=3, help="steps per side for peak memory")
     g.add_argument("--streams", type=int, default=4, help="OOOModule(streams=...)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--seed", type=int, default=0, help="seeds parameters and batch")
+    g.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate (momentum 0.9)")
     g.add_argument(
         "--budget-s",
         type=float,
@@ -124,13 +131,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="stop starting new points after this many seconds (0: no limit); "
         "points not measured are listed in the report",
     )
-    g.add_argument("--overhead-repeats", type=int, default=30)
-    g.add_argument("--overhead-calls", type=int, default=200)
+    g.add_argument("--overhead-repeats", type=int, default=30, help="host-overhead probe")
+    g.add_argument("--overhead-calls", type=int, default=200, help="host-overhead probe")
     g = p.add_argument_group("output")
-    g.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    g.add_argument(
+        "--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="JSON and PNG folder"
+    )
     g.add_argument("--json", type=Path, default=None, help="JSON path (default: in --out-dir)")
     g.add_argument("--plot", type=Path, default=None, help="PNG path (default: beside the JSON)")
-    g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--no-plot", action="store_true", help="skip the PNG")
     g.add_argument(
         "--require-gpu", action="store_true", help="exit with status 2 if no CUDA GPU is visible"
     )
