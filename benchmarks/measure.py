@@ -163,10 +163,10 @@ def measure_point(
 
     # Memory phase: each side alone on the device (besides the reference and the batch).
     for name in SIDES:
-        gc.collect()
         sync()
         base = base_reserved = 0
-        if on_cuda:
+        if on_cuda:  # free what earlier points left, so that it is not counted (or held)
+            gc.collect()
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated(device)
             base_reserved = torch.cuda.memory_reserved(device)
@@ -231,7 +231,7 @@ def measure_point(
         plain_peak, wrapped_peak = record["plain"][key], wrapped[key]
         record[ratio] = wrapped_peak / plain_peak if plain_peak and wrapped_peak else None
     del sides, wrapped_model
-    gc.collect()
     if on_cuda:
+        gc.collect()
         torch.cuda.empty_cache()
     return record
