@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from ._errors import OOOConfigError, did_you_mean
+from ._plan import check_streams
 from ._wrap import OOOModule, record_fallback
 
 __all__ = ["from_config"]
@@ -55,7 +56,7 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
         return model
     if compiled:
         return record_fallback(model, "compiled", warn=True)
-    streams = config.get("ooo_streams", 4)
+    streams = check_streams(config.get("ooo_streams", 4), "config['ooo_streams']")
     wrapped: nn.Module = OOOModule(model, streams)
     return wrapped
 
