@@ -51,12 +51,12 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
             )
     enabled = _flag(config, "ooo_backprop")
     compiled = _flag(config, "compile")
+    streams = check_streams(config.get("ooo_streams", 4), "config['ooo_streams']")
     if not enabled:
         logger.debug("ooo_backprop is off in the config; model left untouched")
         return model
     if compiled:
         return record_fallback(model, "compiled", warn=True)
-    streams = check_streams(config.get("ooo_streams", 4), "config['ooo_streams']")
     wrapped: nn.Module = OOOModule(model, streams)
     return wrapped
 
