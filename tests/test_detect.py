@@ -70,9 +70,7 @@ def test_parent_op_on_the_callers_stream_needs_a_join(broken: bool) -> None:
         total = y.sum()
         host_read(total)
     if broken:
-        assert _races(found) == [
-            (RAW, "aten.mul.Tensor", "side1", "aten.sum.default", "default")
-        ]
+        assert _races(found) == [(RAW, "aten.mul.Tensor", "side1", "aten.sum.default", "default")]
     else:
         assert found.ok
 
@@ -93,9 +91,7 @@ def test_in_place_write_on_the_callers_stream_waits_for_side_readers(broken: boo
             x.add_(1)
         host_read(y)
     if broken:
-        assert _races(found) == [
-            (WAR, "aten.mul.Tensor", "side1", "aten.add_.Tensor", "default")
-        ]
+        assert _races(found) == [(WAR, "aten.mul.Tensor", "side1", "aten.add_.Tensor", "default")]
         assert found.races[0].later.is_write and not found.races[0].earlier.is_write
     else:
         assert found.ok
@@ -113,10 +109,7 @@ def test_host_read_needs_a_final_join(broken: bool, read: str) -> None:
         b.record_stream(y, main)
         if not broken:
             b.wait_event(main, b.record_event(side))
-        if read == "item":
-            value = y.item()
-        else:
-            value = host_read(y).tolist()
+        value = y.item() if read == "item" else host_read(y).tolist()
     assert value == 8.0
     op = "aten._local_scalar_dense.default" if read == "item" else "host_read"
     if broken:
@@ -196,9 +189,8 @@ def test_a_backward_on_a_side_stream_is_ordered_by_the_engine() -> None:
 
 def test_detect_leaves_the_backend_usable_and_rejects_nesting() -> None:
     backend = DetectingBackend()
-    with detect(backend), pytest.raises(RuntimeError, match="already inside"):
-        with detect(backend):
-            pass
+    with detect(backend), pytest.raises(RuntimeError, match="already inside"), detect(backend):
+        pass
     with detect(backend) as found:
         torch.ones(2).sum()
     assert [op.op for op in found.ops] == ["aten.ones.default", "aten.sum.default"]
