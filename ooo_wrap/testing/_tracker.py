@@ -143,8 +143,11 @@ class StreamTracker:
     Example::
 
         >>> t = StreamTracker(origin="main")
-        >>> t.tick("side"); t.access(1, "side", write_access)
-        >>> t.tick("main"); t.access(1, "main", read_access)   # no wait: a race
+        >>> t.keep_alive(1)
+        >>> def use(stream, write):
+        ...     return Access(stream, "op", None, "forward", (4,), "float32", write, 0)
+        >>> t.tick("side"); t.access(1, "side", use("side", True))
+        >>> t.tick("main"); t.access(1, "main", use("main", False))   # no wait: a race
         >>> t.races[0].kind
         <RaceKind.READ_AFTER_WRITE: 'read-after-write'>
     """
