@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from ._errors import OOOConfigError, did_you_mean
+from ._plan import check_streams
 from ._wrap import OOOModule, record_fallback
 
 __all__ = ["from_config"]
@@ -50,12 +51,12 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
             )
     enabled = _flag(config, "ooo_backprop")
     compiled = _flag(config, "compile")
+    streams = check_streams(config.get("ooo_streams", 4), "config['ooo_streams']")
     if not enabled:
         logger.debug("ooo_backprop is off in the config; model left untouched")
         return model
     if compiled:
         return record_fallback(model, "compiled", warn=True)
-    streams = config.get("ooo_streams", 4)
     wrapped: nn.Module = OOOModule(model, streams)
     return wrapped
 

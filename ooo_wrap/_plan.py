@@ -74,12 +74,12 @@ class Plan:
         return "\n".join(lines)
 
 
-def check_streams(streams: object) -> int:
+def check_streams(streams: object, where: str = "streams") -> int:
     """Return ``streams`` if it is a positive int, else raise :class:`OOOConfigError`."""
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise OOOConfigError(
-            f"streams must be a positive int (the most side streams to use), got {streams!r}; "
-            "pass e.g. streams=4"
+            f"{where} must be a positive int (the most side streams to use), got {streams!r}; "
+            "pass e.g. 4"
         )
     return streams
 

@@ -152,8 +152,12 @@ class Scheduler:
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._counters.forwards += 1
-        if not torch.compiler.is_compiling():
-            self._local.calls.append(set())
+        if torch.compiler.is_compiling():
+            return
+        local = self._local
+        if local.frames or local.calls:
+            self._recover_interrupted_call()
+        local.calls.append(set())
 
     def _root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or not self._local.calls:
@@ -253,6 +257,30 @@ class Scheduler:
                 ),
                 level=logging.INFO,
             )
+
+    def _recover_interrupted_call(self) -> None:
+        """Undo what an interrupted forward left behind on this thread.
+
+        ``always_call`` post-hooks run for an ``Exception`` but not for a bare
+        ``BaseException`` such as ``KeyboardInterrupt``, so a stage interrupted that way
+        leaves its stream current. The root cannot run inside one of its own stages, so
+        any frame still here when the root starts again is stale.
+        """
+        local = self._local
+        ambient = next((f.ambient for f in local.frames if f.ambient is not None), None)
+        if ambient is not None:
+            self._backend.set_stream(ambient)
+        local.frames.clear()
+        local.calls.clear()
+        self._events.add(
+            OOOEvent(
+                EventKind.STAGE_FAILED,
+                "interrupted",
+                "an earlier forward was interrupted inside a stage (e.g. KeyboardInterrupt); "
+                "the caller's stream was restored when the next forward started",
+            ),
+            level=logging.INFO,
+        )
 
     def _bypass_event(self, reason: str, count: int = 1) -> None:
         self._events.add(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._backend import AcceleratorBackend, Backend
 from ._compat import is_compiled_module
-from ._errors import OOOConfigError
+from ._errors import OOOConfigError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
 from ._plan import Plan, check_streams, plan
 from ._scheduler import Scheduler
@@ -184,7 +183,7 @@ def record_fallback(model: nn.Module, reason: str, *, warn: bool = False) -> nn.
     _detached[model] = (event,)
     logger.info("%s", event)
     if warn:
-        warnings.warn(f"ooo_wrap: {event.message}", stacklevel=4)
+        warn_user(f"ooo_wrap: {event.message}")
     return model
 
 
@@ -255,7 +254,7 @@ def _install(model: nn.Module, the_plan: Plan, backend: Backend) -> nn.Module:
         )
         log.add(event, level=logging.WARNING)
         _detached[model] = log.snapshot()
-        warnings.warn(f"ooo_wrap: {event.message}", stacklevel=4)
+        warn_user(f"ooo_wrap: {event.message}")
         return model
     log.add(
         OOOEvent(
@@ -300,11 +299,10 @@ def _wrapped_class(model: nn.Module, cls: type[nn.Module]) -> type[nn.Module]:
     for name in shadowed:
         if (cls, name) not in _warned_shadowed:
             _warned_shadowed.add((cls, name))
-            warnings.warn(
+            warn_user(
                 f"ooo_wrap: {cls.__name__} already has {name!r}; it stays the model's. Use "
                 f"ooo_wrap.events_for(model), ooo_wrap.unwrap(model) or "
-                f"ooo_wrap.OOOModule.{name} for the wrapper's",
-                stacklevel=5,
+                f"ooo_wrap.OOOModule.{name} for the wrapper's"
             )
     key = (cls, shadowed)
     if key not in _classes:

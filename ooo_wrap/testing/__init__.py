@@ -1,5 +1,32 @@
-"""Tools to exercise and verify ooo_wrap without a GPU."""
+"""Tools to exercise and verify ooo_wrap without a GPU.
 
+``check(model, *inputs)`` trains a copy of a model on virtual streams and reports every
+stream race; ``detect()`` runs hand-written multi-stream code under the same detector.
+"""
+
+from ._check import check
+from ._detect import DetectingBackend, Detection, detect, host_read
+from ._report import CheckFailed, CheckReport, ParityEntry, StreamOps
 from ._simulated import SimulatedBackend, StreamCall, VirtualEvent, VirtualStream
+from ._tracker import Access, AllocatorHazard, OpRecord, Race, RaceKind
 
-__all__ = ["SimulatedBackend", "StreamCall", "VirtualEvent", "VirtualStream"]
+__all__ = [
+    "Access",
+    "AllocatorHazard",
+    "CheckFailed",
+    "CheckReport",
+    "DetectingBackend",
+    "Detection",
+    "OpRecord",
+    "ParityEntry",
+    "Race",
+    "RaceKind",
+    "SimulatedBackend",
+    "StreamCall",
+    "StreamOps",
+    "VirtualEvent",
+    "VirtualStream",
+    "check",
+    "detect",
+    "host_read",
+]

@@ -121,7 +121,7 @@ class SimulatedBackend:
 
     def current_stream(self, device: torch.device | None = None) -> VirtualStream:
         """The calling thread's current virtual stream."""
-        stream: VirtualStream = getattr(self._local, "stream", DEFAULT_STREAM)
+        stream = self._peek_stream()
         self._call("current_stream", stream)
         return stream
 
@@ -144,12 +144,21 @@ class SimulatedBackend:
     def is_capturing(self, stream: VirtualStream) -> bool:
         return stream in self._capturing
 
+    # --- unlogged access, for the race checker's model of the autograd engine ---------
+
+    def _peek_stream(self) -> VirtualStream:
+        stream: VirtualStream = getattr(self._local, "stream", DEFAULT_STREAM)
+        return stream
+
+    def _put_stream(self, stream: VirtualStream) -> None:
+        self._local.stream = stream
+
     # --- test helpers -----------------------------------------------------------------
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """Pretend the calling thread's current stream is recording a graph capture."""
-        stream = getattr(self._local, "stream", DEFAULT_STREAM)
+        stream = self._peek_stream()
         self._capturing.add(stream)
         try:
             yield

@@ -1,0 +1,230 @@
+"""``check()``: train a copy of a model on virtual streams under the race detector."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .._errors import OOOConfigError
+from .._wrap import OOOModule, events_for
+from ._detect import DetectingBackend, Detection, detect
+from ._report import CheckReport, ParityEntry, count_ops
+
+__all__ = ["check"]
+
+_LR = 1e-3  # the plain SGD step both copies take, so step 2 runs on updated weights
+_SEED = 0  # both copies draw the same random numbers (dropout), without touching the caller's
+
+_Named = dict[str, torch.Tensor]
+
+
+def check(
+    model: nn.Module,
+    *inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    streams: int = 4,
+    stages: Sequence[str] | None = None,
+    steps: int = 2,
+) -> CheckReport:
+    """Train a copy of ``model`` on virtual streams and report every stream race.
+
+    A deep copy is wrapped with :class:`~ooo_wrap.OOOModule` on a simulated backend and
+    trained for ``steps`` steps (forward, loss, backward, then every ``.grad`` read on the
+    caller's stream by a plain SGD update, as an optimizer would) while every op is checked
+    for unordered cross-stream accesses and for uses without ``record_stream``. A second
+    copy trains the same steps unwrapped, and outputs and gradients are compared. The
+    caller's model, inputs and random state are left untouched. Runs on the CPU.
+
+    Args:
+        model: a CPU model, not wrapped.
+        inputs: the positional inputs of one forward call (tensors, or nests of them).
+        loss_fn: maps the model's output to a scalar loss; by default the sum of every
+            floating-point tensor in the output.
+        streams: side streams, as for :class:`~ooo_wrap.OOOModule`.
+        stages: stage names, as for :class:`~ooo_wrap.OOOModule`.
+        steps: training steps to run.
+
+    Returns:
+        a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
+
+    Raises:
+        OOOConfigError: ``model`` is already wrapped, ``steps`` is not a positive int,
+            or the output has no floating-point tensor that requires grad (pass
+            ``loss_fn``); also the wrapper's own configuration errors.
+
+    Example::
+
+        >>> report = ooo_wrap.testing.check(model, torch.randn(8, 32))
+        >>> print(report)
+        >>> report.raise_if_failed()
+    """
+    if isinstance(model, OOOModule):
+        raise OOOConfigError(
+            f"check() takes the plain model, but this {type(model).__name__} is wrapped; "
+            "check it before wrapping, or pass ooo_wrap.unwrap(model)"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise OOOConfigError(f"steps must be a positive int, got {steps!r}")
+    backend = DetectingBackend()
+    wrapped = OOOModule(copy.deepcopy(model), streams, stages=stages, backend=backend)
+    plain = copy.deepcopy(model)
+    notes = tuple(str(event) for event in events_for(wrapped))
+    wrapped_inputs, plain_inputs = _fresh(inputs), _fresh(inputs)
+    with detect(backend, keep_alive=[wrapped]) as found:
+        handles = _label_stages(wrapped, found)
+        try:
+            checked = _train(wrapped, wrapped_inputs, loss_fn, steps, found)
+        finally:
+            for handle in handles:
+                handle.remove()
+    reference = _train(plain, plain_inputs, loss_fn, steps, None)
+    records = found.ops
+    return CheckReport(
+        races=found.races,
+        allocator_hazards=found.allocator_hazards,
+        parity=_parity(checked, reference),
+        ops=count_ops(records),
+        trace=records,
+        notes=notes,
+        steps=steps,
+    )
+
+
+def _train(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    steps: int,
+    found: Detection | None,
+) -> list[tuple[_Named, _Named]]:
+    """Run the steps; per step, the outputs and gradients by name (detached)."""
+    results = []
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED)
+        for _ in range(steps):
+            output = model(*inputs)
+            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+            torch.autograd.backward(loss)
+            grads = {name: p.grad for name, p in params if p.grad is not None}
+            if found is not None:
+                # Gradients live in .grad until the next zero_grad, like parameters.
+                found.keep_alive(*grads.values())
+                with found.phase("step"):
+                    _sgd(params)
+            else:
+                _sgd(params)
+            outputs = {name: t.detach() for name, t in _named_tensors(output, "output")}
+            results.append((outputs, {f"grad:{n}": g for n, g in grads.items()}))
+            del output, loss  # drop the graph, so the next step makes fresh nodes
+    return results
+
+
+def _sgd(params: list[tuple[str, nn.Parameter]]) -> None:
+    """Read every gradient on the caller's stream and update, then zero (set to None)."""
+    with torch.no_grad():
+        for _, param in params:
+            if param.grad is not None:
+                param.add_(param.grad, alpha=-_LR)
+                param.grad = None
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    terms = [t.sum() for _, t in _named_tensors(output, "output") if t.is_floating_point()]
+    terms = [t for t in terms if t.requires_grad]
+    if not terms:
+        raise OOOConfigError(
+            "check(): the model's output has no floating-point tensor that requires grad; "
+            "pass loss_fn=... that maps the output to a scalar loss"
+        )
+    return functools.reduce(torch.add, terms)
+
+
+def _named_tensors(value: Any, name: str) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in ``value`` with a path such as ``output[0]['logits']``."""
+    if isinstance(value, torch.Tensor):
+        return [(name, value)]
+    found: list[tuple[str, torch.Tensor]] = []
+    if isinstance(value, (tuple, list)):
+        for index, item in enumerate(value):
+            found += _named_tensors(item, f"{name}[{index}]")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            found += _named_tensors(item, f"{name}[{key!r}]")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            found += _named_tensors(getattr(value, field.name), f"{name}.{field.name}")
+    return found
+
+
+def _fresh(value: Any) -> Any:
+    """A copy of the inputs whose tensors are new leaves, so no run touches the caller's."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_fresh(item) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_fresh(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _fresh(item) for key, item in value.items()}
+    return copy.deepcopy(value)
+
+
+def _label_stages(model: nn.Module, found: Detection) -> list[RemovableHandle]:
+    """Hooks on the copy's stages so each op is reported with the stage that ran it."""
+    if not isinstance(model, OOOModule):
+        return []
+    handles = []
+    for stage in model.plan.stages:
+        module = model.get_submodule(stage.name)
+        push = functools.partial(_push, found, stage.name)
+        handles.append(module.register_forward_pre_hook(push))
+        pop = functools.partial(_pop, found)
+        handles.append(module.register_forward_hook(pop, always_call=True))
+    return handles
+
+
+def _push(found: Detection, name: str, module: nn.Module, args: Any) -> None:
+    found._push_stage(name)
+
+
+def _pop(found: Detection, module: nn.Module, args: Any, output: Any) -> None:
+    found._pop_stage()
+
+
+def _parity(
+    checked: list[tuple[_Named, _Named]], reference: list[tuple[_Named, _Named]]
+) -> tuple[ParityEntry, ...]:
+    worst: dict[str, float] = {}
+    for (out_a, grad_a), (out_b, grad_b) in zip(checked, reference, strict=True):
+        for a_side, b_side in ((out_a, out_b), (grad_a, grad_b)):
+            for name in dict.fromkeys([*a_side, *b_side]):
+                diff = _max_abs_diff(a_side.get(name), b_side.get(name))
+                worst[name] = max(worst.get(name, 0.0), diff)
+    return tuple(ParityEntry(name, diff) for name, diff in worst.items())
+
+
+def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    if not (a.is_floating_point() or a.is_complex()):
+        return 0.0 if torch.equal(a, b) else math.inf
+    wide = torch.complex128 if a.is_complex() else torch.float64
+    a64, b64 = a.detach().to(wide), b.detach().to(wide)
+    a_nan, b_nan = torch.isnan(a64), torch.isnan(b64)
+    if not torch.equal(a_nan, b_nan):
+        return math.inf
+    same = (a64 == b64) | a_nan  # equal values, equal infinities, NaN in both
+    if bool(same.all()):
+        return 0.0
+    return float((a64 - b64).abs().masked_fill(same, 0.0).max())

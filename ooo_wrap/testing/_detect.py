@@ -1,0 +1,276 @@
+"""Run code on virtual streams under the race detector: ``detect()`` and ``host_read()``."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._engine import EngineModel
+from ._intercept import OpInterceptor
+from ._ops import TensorUse, storage_key, tensor_uses, tensors_of
+from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
+from ._tracker import Access, AllocatorHazard, Clock, OpRecord, Phase, Race, StreamTracker
+
+__all__ = ["DetectingBackend", "Detection", "detect", "host_read"]
+
+_active: contextvars.ContextVar[Detection | None] = contextvars.ContextVar(
+    "ooo_wrap_detection", default=None
+)
+
+
+class DetectingBackend(SimulatedBackend):
+    """A :class:`SimulatedBackend` whose events, waits and ``record_stream`` calls feed
+    the race detector of the :func:`detect` block it is used in.
+
+    Outside a ``detect()`` block it behaves exactly like :class:`SimulatedBackend`.
+
+    Example::
+
+        >>> backend = DetectingBackend()
+        >>> model = ooo_wrap.OOOModule(cpu_model, backend=backend)
+        >>> with detect(backend) as found:
+        ...     model(x).sum().backward()
+        >>> found.races, found.allocator_hazards
+    """
+
+    def __init__(self, *, keep_all: bool = False, log_size: int = 10_000) -> None:
+        super().__init__(keep_all=keep_all, log_size=log_size)
+        self._detection: Detection | None = None
+
+    def record_event(self, stream: VirtualStream) -> VirtualEvent:
+        event = super().record_event(stream)
+        if self._detection is not None:
+            self._detection._events[event.id] = self._detection.tracker.snapshot(stream)
+        return event
+
+    def wait_event(self, stream: VirtualStream, event: VirtualEvent) -> None:
+        super().wait_event(stream, event)
+        if self._detection is not None:
+            # An event recorded before detection began orders nothing the detector saw.
+            snapshot = self._detection._events.get(event.id)
+            if snapshot is not None:
+                self._detection.tracker.wait(stream, snapshot)
+
+    def record_stream(self, tensor: torch.Tensor, stream: VirtualStream) -> None:
+        super().record_stream(tensor, stream)
+        key = storage_key(tensor)
+        if self._detection is not None and key is not None:
+            self._detection.tracker.record_stream(key, stream)
+
+
+class Detection:
+    """What one :func:`detect` block saw: races, allocator hazards and every op.
+
+    Attributes:
+        backend: the backend whose virtual streams the block runs on.
+        tracker: the happens-before bookkeeping (vector clocks, per-storage history).
+    """
+
+    def __init__(self, backend: DetectingBackend) -> None:
+        self.backend = backend
+        self.tracker = StreamTracker(origin=backend._peek_stream())
+        self._events: dict[int, Clock] = {}
+        self._engine = EngineModel(self)
+        self._records: list[OpRecord] = []
+        self._stages: list[str] = []
+        self._phase: Phase = "forward"
+
+    @property
+    def races(self) -> tuple[Race, ...]:
+        """Unordered cross-stream accesses, in the order found."""
+        return tuple(self.tracker.races)
+
+    @property
+    def allocator_hazards(self) -> tuple[AllocatorHazard, ...]:
+        """Uses on a stream the tensor's allocation was never recorded to."""
+        return tuple(self.tracker.hazards)
+
+    @property
+    def ops(self) -> tuple[OpRecord, ...]:
+        """Every op seen, in order, with its stream, stage and phase."""
+        return tuple(self._records)
+
+    @property
+    def ok(self) -> bool:
+        """No races and no allocator hazards."""
+        return not self.tracker.races and not self.tracker.hazards
+
+    def keep_alive(self, *objects: torch.Tensor | nn.Module) -> None:
+        """Declare tensors (or a module's parameters and buffers) never freed mid-step.
+
+        The allocator cannot reuse such memory, so using it on any stream without
+        ``record_stream`` is no hazard; races on it are still reported.
+        """
+        for obj in objects:
+            tensors = _module_tensors(obj) if isinstance(obj, nn.Module) else [obj]
+            for tensor in tensors:
+                key = storage_key(tensor)
+                if key is not None:
+                    self.tracker.keep_alive(key)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Attribute forward ops run inside the block (and their backward) to stage ``name``."""
+        self._push_stage(name)
+        try:
+            yield
+        finally:
+            self._pop_stage()
+
+    @contextlib.contextmanager
+    def phase(self, name: Phase) -> Iterator[None]:
+        """Label ops outside ``backward()`` run inside the block (default ``forward``)."""
+        before, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = before
+
+    def _push_stage(self, name: str) -> None:
+        self._stages.append(name)
+
+    def _pop_stage(self) -> None:
+        if self._stages:
+            self._stages.pop()
+
+    # --- EngineHost -----------------------------------------------------------------
+
+    def stream_now(self) -> VirtualStream:
+        return self.backend._peek_stream()
+
+    def switch_stream(self, stream: VirtualStream) -> None:
+        self.backend._put_stream(stream)
+
+    # --- recording ------------------------------------------------------------------
+
+    def _on_op(
+        self,
+        func: torch._ops.OpOverload,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        out: Any,
+    ) -> None:
+        if func.is_view:
+            # No kernel, no access: only the autograd node it may create matters.
+            self._engine.created(list(tensors_of(out)), self.stream_now(), self._stage_now())
+            return
+        uses = tensor_uses(func, args, kwargs, out)
+        consumer = self._engine.accumulation_target(u.key for u in uses if not u.fresh)
+        if consumer is not None:
+            stream, stage = consumer.stream, consumer.stage
+        else:
+            stream, stage = self.stream_now(), self._stage_now()
+        self._record(str(func), stream, stage, uses)
+        self._engine.created(list(tensors_of(out)), stream, stage)
+
+    def _host_read(self, tensor: torch.Tensor) -> None:
+        self._engine.flush()
+        key = storage_key(tensor)
+        uses = [] if key is None else [TensorUse(tensor, key, is_write=False, fresh=False)]
+        self._record("host_read", self.stream_now(), self._stage_now(), uses)
+
+    def _stage_now(self) -> str | None:
+        if self._engine.in_backward:
+            return self._engine.stage
+        return self._stages[-1] if self._stages else None
+
+    def _record(
+        self, op: str, stream: VirtualStream, stage: str | None, uses: list[TensorUse]
+    ) -> None:
+        tracker = self.tracker
+        tracker.tick(stream)
+        seq = len(self._records)
+        phase: Phase = "backward" if self._engine.in_backward else self._phase
+        self._records.append(OpRecord(seq, str(stream), stream.id, op, stage, phase))
+        for use in uses:
+            if use.fresh:
+                tracker.allocate(use.key, stream)
+            tensor = use.tensor
+            access = Access(
+                str(stream),
+                op,
+                stage,
+                phase,
+                tuple(tensor.shape),
+                str(tensor.dtype).removeprefix("torch."),
+                use.is_write,
+                seq,
+            )
+            tracker.access(use.key, stream, access)
+
+
+def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+@contextlib.contextmanager
+def detect(
+    backend: DetectingBackend | None = None, *, keep_alive: Iterable[torch.Tensor | nn.Module] = ()
+) -> Iterator[Detection]:
+    """Run a block on virtual streams under the race detector.
+
+    Every aten op in the block (forward, and backward inside the autograd engine) is
+    attributed to a virtual stream and checked against what the backend's events and
+    waits order; ``record_stream`` calls and the engine's own syncs are modelled.
+
+    Args:
+        backend: the backend the code under test switches streams on; a fresh one if
+            ``None`` (reach it as ``detection.backend``).
+        keep_alive: tensors or modules whose memory is never freed mid-step (see
+            :meth:`Detection.keep_alive`).
+
+    Yields:
+        the :class:`Detection`, whose ``races`` and ``allocator_hazards`` are final
+        once the block exits.
+
+    Example::
+
+        >>> with detect() as found:
+        ...     b = found.backend
+        ...     main, side = b.current_stream(), b.new_stream(torch.device("cpu"))
+        ...     x = torch.ones(4)
+        ...     b.wait_event(side, b.record_event(main)); b.record_stream(x, side)
+        ...     b.set_stream(side); y = x * 2; b.set_stream(main)
+        ...     b.record_stream(y, main)
+        ...     host_read(y)                      # no join: side may still write y
+        >>> [str(r.kind) for r in found.races]
+        ['read-after-write']
+    """
+    backend = backend if backend is not None else DetectingBackend()
+    if backend._detection is not None:
+        raise RuntimeError("this backend is already inside a detect() block")
+    detection = Detection(backend)
+    detection.keep_alive(*keep_alive)
+    backend._detection = detection
+    token = _active.set(detection)
+    try:
+        with OpInterceptor(detection._on_op):
+            yield detection
+            detection._engine.flush()
+    finally:
+        detection._engine.close()
+        backend._detection = None
+        _active.reset(token)
+
+
+def host_read(tensor: torch.Tensor) -> torch.Tensor:
+    """Model the host reading ``tensor`` (``.cpu()``, ``.numpy()``, ``.tolist()``).
+
+    The copy runs on the current stream, so the read must be ordered after every write.
+    ``.item()`` needs no helper: the detector sees its op. Outside :func:`detect` this
+    does nothing. Returns ``tensor``.
+
+    Example::
+
+        >>> loss = model(x).sum()
+        >>> print(host_read(loss).tolist())
+    """
+    detection = _active.get()
+    if detection is not None:
+        detection._host_read(tensor)
+    return tensor

@@ -1,0 +1,141 @@
+"""check()'s contract and CheckReport: verdict, text, error, trace, parity, caller untouched."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ooo_wrap
+from ooo_wrap.testing import (
+    CheckFailed,
+    CheckReport,
+    ParityEntry,
+    VirtualEvent,
+    VirtualStream,
+    check,
+)
+from ooo_wrap.testing import _check as check_module
+
+
+class Towers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3), nn.Tanh())
+        self.right = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"sum": self.left(x) + self.right(x), "right": self.right(x)}
+
+
+def test_a_correct_model_gets_an_ok_report() -> None:
+    report = check(Towers(), torch.randn(3, 6))
+    assert report.ok
+    report.raise_if_failed()
+    names = {entry.name for entry in report.parity}
+    assert {"output['sum']", "output['right']", "grad:left.0.weight", "grad:right.bias"} <= names
+    streams = {row.stream: row for row in report.ops}
+    assert set(streams) == {"default", "side1", "side2"}
+    assert streams["side1"].forward > 0 and streams["side1"].backward > 0
+    assert streams["default"].step > 0
+    text = str(report)
+    assert text.startswith("ooo_wrap check: OK (2 steps; 0 races")
+    assert "side2" in text and "enabled/simulated" in text
+
+
+def test_the_callers_model_inputs_and_random_state_are_untouched() -> None:
+    model = Towers()
+    x = torch.randn(3, 6, requires_grad=True)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    check(model, x)
+    assert type(model) is Towers and not isinstance(model, ooo_wrap.OOOModule)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters()) and x.grad is None
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert ooo_wrap.events_for(model) == ()
+
+
+def test_a_failed_report_raises_an_ooo_error_and_reads_well() -> None:
+    report = _racy_report()
+    assert not report.ok
+    with pytest.raises(ooo_wrap.OOOError) as caught:
+        report.raise_if_failed()
+    assert isinstance(caught.value, CheckFailed)
+    message = str(caught.value)
+    assert message.startswith("ooo_wrap check: FAILED")
+    assert "race: read-after-write: read by aten.relu.default on default (forward)" in message
+    assert "stage 'a'" in message
+
+
+def _racy_report() -> CheckReport:
+    """A scheduler without the ambient join: a parent op reads an unfinished stage."""
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x).relu())
+
+    class NoJoin(check_module.DetectingBackend):
+        def wait_event(self, stream: VirtualStream, event: VirtualEvent) -> None:
+            if stream.id != 0:  # drop every join into the caller's stream
+                super().wait_event(stream, event)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(check_module, "DetectingBackend", NoJoin)
+        return check(Chain(), torch.randn(2, 4))
+
+
+def test_save_trace_writes_one_track_per_stream_in_order(tmp_path: Path) -> None:
+    report = check(Towers(), torch.randn(3, 6))
+    path = tmp_path / "trace.json"
+    report.save_trace(path)
+    trace = json.loads(path.read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    tracks = {
+        e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"
+    }
+    assert tracks == {0: "default", 1: "side1", 2: "side2"}
+    assert len(slices) == len(report.trace)
+    assert [e["ts"] for e in slices] == sorted(e["ts"] for e in slices)
+    assert all({"name", "pid", "tid", "ts", "dur"} <= set(e) for e in slices)
+    assert {e["cat"] for e in slices} == {"forward", "backward", "step"}
+    assert {e["args"]["stage"] for e in slices if e["tid"] == 1} == {"left"}
+
+
+def test_parity_entries_flag_differences() -> None:
+    assert ParityEntry("output", 0.0).exact
+    assert not ParityEntry("output", 1e-7).exact
+    a = torch.tensor([1.0, float("nan"), 3.0])
+    assert check_module._max_abs_diff(a, a.clone()) == 0.0
+    assert check_module._max_abs_diff(a, torch.tensor([1.0, float("nan"), 3.5])) == 0.5
+    assert check_module._max_abs_diff(a, torch.tensor([1.0, 2.0, 3.0])) == math.inf
+    assert check_module._max_abs_diff(a, None) == math.inf
+    assert check_module._max_abs_diff(a, a.double()) == math.inf
+
+
+def test_check_rejects_bad_arguments() -> None:
+    wrapped = ooo_wrap.OOOModule(Towers(), backend=ooo_wrap.testing.SimulatedBackend())
+    with pytest.raises(ooo_wrap.OOOConfigError, match="unwrap"):
+        check(wrapped, torch.randn(3, 6))
+    with pytest.raises(ooo_wrap.OOOConfigError, match="steps"):
+        check(Towers(), torch.randn(3, 6), steps=0)
+    with pytest.raises(ooo_wrap.OOOConfigError, match="loss_fn"):
+        check(
+            nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)).requires_grad_(False), torch.ones(1, 6)
+        )
+
+
+def test_a_model_that_falls_back_is_checked_unwrapped_and_says_so() -> None:
+    report = check(nn.Sequential(nn.Linear(6, 6)), torch.randn(2, 6))
+    assert report.ok
+    assert [row.stream for row in report.ops] == ["default"]
+    assert any("too_few_stages" in note for note in report.notes)

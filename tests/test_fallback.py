@@ -1,0 +1,282 @@
+"""The seed's failure table: every row leaves a model that trains, and says why."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from models import (
+    Scriptable,
+    Towers,
+    TwoTowers,
+    hook_count,
+    hook_snapshot,
+    leaves,
+    loss_of,
+    make_two_towers,
+    two_tower_input,
+)
+from torch import nn
+
+import ooo_wrap
+from ooo_wrap import EventKind, OOOEvent, OOOModule
+from ooo_wrap._backend import AcceleratorBackend
+from ooo_wrap.testing import SimulatedBackend, VirtualStream
+
+# torch.compile and torch.jit.script emit TorchScript deprecation notices of their own.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning")
+
+
+def only_event(model: Any) -> OOOEvent:
+    (event,) = ooo_wrap.events_for(model)
+    return event
+
+
+def assert_untouched(model: nn.Module, cls: type[nn.Module], hooks: dict[str, Any]) -> None:
+    assert type(model) is cls
+    assert not isinstance(model, OOOModule)
+    assert hook_snapshot(model) == hooks
+
+
+def assert_trains_like(model: nn.Module, plain: nn.Module, x: torch.Tensor) -> None:
+    """Forward and backward give bitwise the plain model's outputs and gradients."""
+    out, want = model(x), plain(x)
+    for a, b in zip(leaves(out), leaves(want), strict=True):
+        assert torch.equal(a, b)
+    loss_of(out).backward()
+    loss_of(want).backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert torch.equal(p.grad, q.grad), name
+
+
+# --- devices ----------------------------------------------------------------------------------
+
+
+def test_accelerator_backend_reasons() -> None:
+    backend = AcceleratorBackend()
+    assert backend.unsupported_reason(torch.device("cpu")) == "cpu"
+    assert backend.unsupported_reason(torch.device("mps")) == "mps"
+    assert backend.unsupported_reason(torch.device("meta")) == "no_accelerator"
+    if not torch.accelerator.is_available():
+        assert backend.unsupported_reason(torch.device("cuda")) == "no_accelerator"
+
+
+def test_cpu_model_with_the_default_backend_is_untouched() -> None:
+    model = Towers()
+    plain = copy.deepcopy(model)
+    hooks = hook_snapshot(model)
+    assert hook_count(model) == 0
+
+    assert OOOModule(model, streams=2) is model
+
+    assert_untouched(model, Towers, hooks)
+    assert hook_count(model) == 0
+    event = only_event(model)
+    assert event.kind is EventKind.DISABLED
+    assert event.reason == "cpu"
+    assert "CPU" in event.message
+    assert_trains_like(model, plain, torch.randn(3, 6))
+
+
+def test_model_on_a_device_without_streams_is_untouched() -> None:
+    model = Towers().to("meta")
+    hooks = hook_snapshot(model)
+    assert OOOModule(model) is model
+    assert_untouched(model, Towers, hooks)
+    event = only_event(model)
+    assert (event.kind, event.reason) == (EventKind.DISABLED, "no_accelerator")
+
+
+@pytest.mark.parametrize(
+    ("model", "stages"),
+    [
+        (nn.Linear(4, 4), None),  # no children: no stage
+        (nn.Sequential(nn.Linear(4, 4)), None),  # one childless stage
+        (nn.Sequential(nn.ReLU(), nn.Tanh()), None),  # nothing with parameters
+        (make_two_towers(), ["towers.0"]),  # one stage named
+    ],
+    ids=["leaf", "one_stage", "stateless", "one_named"],
+)
+def test_fewer_than_two_stages_is_untouched(model: nn.Module, stages: list[str] | None) -> None:
+    cls, hooks = type(model), hook_snapshot(model)
+    backend = SimulatedBackend(keep_all=True)
+    assert OOOModule(model, backend=backend, stages=stages) is model
+    assert_untouched(model, cls, hooks)
+    event = only_event(model)
+    assert (event.kind, event.reason) == (EventKind.DISABLED, "too_few_stages")
+    assert "stages=" in event.message
+    assert backend.log == ()  # no stream created
+
+
+def test_fallback_is_logged_at_info_on_the_ooo_wrap_logger(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="ooo_wrap"):
+        OOOModule(Towers())
+    records = [r for r in caplog.records if r.name == "ooo_wrap"]
+    assert len(records) == 1
+    assert records[0].levelno == logging.INFO
+    assert "disabled/cpu" in records[0].getMessage()
+
+
+def test_enabled_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="ooo_wrap"):
+        OOOModule(make_two_towers(), backend=SimulatedBackend())
+    (record,) = [r for r in caplog.records if r.name == "ooo_wrap"]
+    assert record.levelno == logging.INFO
+    assert record.getMessage().startswith("enabled/simulated")
+
+
+def test_runtime_events_are_logged_once_per_kind(caplog: pytest.LogCaptureFixture) -> None:
+    model = make_two_towers()
+    OOOModule(model, backend=SimulatedBackend())
+    with caplog.at_level(logging.INFO, logger="ooo_wrap"), ooo_wrap.disabled():
+        for _ in range(5):
+            model(two_tower_input())
+    (record,) = [r for r in caplog.records if r.name == "ooo_wrap"]
+    assert "bypassed/disabled" in record.getMessage()
+
+
+def test_a_fallback_never_warns() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OOOModule(Towers())
+        OOOModule(nn.Linear(2, 2), backend=SimulatedBackend())
+
+
+# --- setup failures ---------------------------------------------------------------------------
+
+
+class NoStreamsBackend(SimulatedBackend):
+    def new_stream(self, device: torch.device) -> VirtualStream:
+        raise RuntimeError("no streams today")
+
+
+def test_stream_creation_failure_leaves_the_model_training() -> None:
+    model = make_two_towers()
+    plain = copy.deepcopy(model)
+    hooks = hook_snapshot(model)
+    with pytest.warns(UserWarning, match="setup failed"):
+        assert OOOModule(model, backend=NoStreamsBackend()) is model
+    assert_untouched(model, TwoTowers, hooks)
+    event = only_event(model)
+    assert event.kind is EventKind.SETUP_FAILED
+    assert event.reason == "RuntimeError"
+    assert "no streams today" in event.message
+    assert_trains_like(model, plain, two_tower_input())
+
+
+def test_hook_registration_failure_removes_every_hook(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = make_two_towers()
+    plain = copy.deepcopy(model)
+    user_calls: list[str] = []
+    model.register_forward_hook(lambda m, a, o: user_calls.append("user") or None)
+    hooks = hook_snapshot(model)
+    attrs = {name: set(vars(m)) for name, m in model.named_modules()}
+    hooks_when_failing: list[int] = []
+    last_stage = model.get_submodule("towers.1")
+
+    def fail(*args: object, **kwargs: object) -> None:
+        hooks_when_failing.append(hook_count(model))
+        raise RuntimeError("hook registration refused")
+
+    monkeypatch.setattr(last_stage, "register_forward_hook", fail)
+    with caplog.at_level(logging.WARNING, logger="ooo_wrap"), pytest.warns(UserWarning):
+        assert OOOModule(model, backend=SimulatedBackend()) is model
+    monkeypatch.undo()
+    vars(last_stage).pop("register_forward_hook", None)  # undo() leaves the method there
+
+    # Root pre/post, towers.0 pre/post and towers.1 pre were in place when it failed.
+    assert hooks_when_failing == [1 + 5]
+    assert_untouched(model, TwoTowers, hooks)
+    assert {name: set(vars(m)) for name, m in model.named_modules()} == attrs
+    event = only_event(model)
+    assert (event.kind, event.reason) == (EventKind.SETUP_FAILED, "RuntimeError")
+    assert "hook registration refused" in event.message
+    assert any(r.levelno == logging.WARNING for r in caplog.records if r.name == "ooo_wrap")
+    assert_trains_like(model, plain, two_tower_input())
+    assert user_calls == ["user"]
+
+    # Nothing is left half-wrapped: the model can be wrapped for real now.
+    OOOModule(model, backend=SimulatedBackend())
+    assert model.events[-1].kind is EventKind.ENABLED
+
+
+# --- compile and TorchScript ------------------------------------------------------------------
+
+
+def test_a_compiled_model_is_untouched_with_a_warning() -> None:
+    model = make_two_towers()
+    compiled = torch.compile(model, backend="eager")
+    inner_hooks = hook_snapshot(model)
+    compiled_cls = type(compiled)
+    with pytest.warns(UserWarning, match="compile"):
+        assert OOOModule(compiled, backend=SimulatedBackend()) is compiled
+    assert type(compiled) is compiled_cls
+    assert type(model) is TwoTowers
+    assert hook_snapshot(model) == inner_hooks
+    event = only_event(compiled)
+    assert (event.kind, event.reason) == (EventKind.DISABLED, "compiled")
+
+
+def test_a_wrapped_model_under_torch_compile_runs_stages_inline() -> None:
+    torch._dynamo.reset()
+    model = make_two_towers()
+    plain = copy.deepcopy(model)
+    backend = SimulatedBackend(keep_all=True)
+    OOOModule(model, backend=backend)
+    backend.clear_log()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = two_tower_input()
+    steps = 3
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            model.zero_grad()
+            plain.zero_grad()
+            assert_trains_like(compiled, plain, x)
+            events = model.events  # read every step: still one event, counting up
+            assert [e.kind for e in events] == [EventKind.ENABLED, EventKind.BYPASSED]
+    assert [str(w.message) for w in caught] == []
+
+    assert backend.log == ()  # inline: no stream calls at all
+    bypassed = model.events[-1]
+    assert bypassed.reason == "compiling"
+    assert bypassed.count == 2 * steps
+    assert model.stats.bypasses == 2 * steps
+    assert model.stats.forwards == steps
+    assert model.stats.stage_calls == 0
+
+    # Eager again afterwards: side streams as before.
+    model(x)
+    assert model.stats.stage_calls == 2
+    assert any(call.op == "set_stream" for call in backend.log)
+
+
+def test_a_torchscript_module_is_untouched() -> None:
+    scripted = torch.jit.script(Scriptable())
+    cls = type(scripted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert OOOModule(scripted, backend=SimulatedBackend()) is scripted
+    assert type(scripted) is cls
+    event = only_event(scripted)
+    assert (event.kind, event.reason) == (EventKind.DISABLED, "unsupported_module")
+    x = torch.randn(2, 4)
+    assert scripted(x).shape == (2, 4)
+
+
+def test_warnings_point_at_the_callers_line() -> None:
+    with pytest.warns(UserWarning) as record:
+        OOOModule(torch.compile(make_two_towers()), backend=SimulatedBackend())
+        OOOModule(make_two_towers(), backend=NoStreamsBackend())
+    ours = [w.filename for w in record if str(w.message).startswith("ooo_wrap")]
+    assert ours == [__file__, __file__]
