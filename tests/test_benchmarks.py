@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import ooo_wrap
+import ooo_wrap.testing
 from benchmarks import report, suite
 from benchmarks.measure import Point, measure_point, summarize_times
 from benchmarks.models import ModelSpec
@@ -52,6 +53,15 @@ def test_one_seed_builds_one_model(family: str) -> None:
     a, b = SMALL[family].build(seed=3).state_dict(), SMALL[family].build(seed=3).state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+@pytest.mark.parametrize("family", sorted(SMALL))
+def test_models_pass_the_race_checker(family: str) -> None:
+    # The CPU counterpart of the sanitizer run in gpu_check.sh: no races, bitwise parity.
+    spec = SMALL[family]
+    x, y = spec.make_batch(2)
+    report = ooo_wrap.testing.check(spec.build(), x, loss_fn=lambda out: spec.loss(out, y))
+    assert report.ok, str(report)
 
 
 def test_spec_rejects_bad_sizes() -> None:
