@@ -100,8 +100,9 @@ if [[ "${GPU_CHECK_SKIP_INSTALL:-0}" == 1 ]]; then
   record "install" WARN "skipped (GPU_CHECK_SKIP_INSTALL=1)"
 else
   say "install: pip install -e .[test,bench] (log: pip.log)"
+  # Few retries: on a machine without network, fail fast and fall back.
   if timeout "$(seconds_for 150)" "$PYTHON" -m pip install --disable-pip-version-check \
-    -e ".[test,bench]" >"$OUT_DIR/pip.log" 2>&1; then
+    --retries 2 --timeout 20 -e ".[test,bench]" >"$OUT_DIR/pip.log" 2>&1; then
     record "install" PASS "pip install -e .[test,bench]"
   elif timeout "$(seconds_for 60)" "$PYTHON" -m pip install --disable-pip-version-check \
     --no-build-isolation --no-deps -e . >>"$OUT_DIR/pip.log" 2>&1; then

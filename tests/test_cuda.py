@@ -195,7 +195,7 @@ def test_profiler_sees_kernels_on_the_side_streams(tmp_path: Path) -> None:
     spec = ModelSpec.towers(4, 512, 3)
     model = _wrap_copy(spec.build().to(DEVICE))
     x, y = spec.make_batch(16, DEVICE)
-    spec.loss(model(x), y).backward()  # warm-up: the first use of a stream is not profiled
+    spec.loss(model(x), y).backward()  # warm-up: lazy initialisation stays out of the trace
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
