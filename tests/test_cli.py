@@ -1,0 +1,270 @@
+"""The command line: ``plan``, the parts of ``check`` that need no race checker, errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ooo_wrap
+import ooo_wrap.testing
+from examples import quickstart, transformer
+from ooo_wrap._cli import default_int_high, parse_shape
+from tests.cli_factories import TokensAndFeatures
+from tests.cli_helpers import PROG, ROOT, doc_commands, run_cli
+
+# --- plan -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["examples.quickstart:build_model"], lambda: ooo_wrap.plan(quickstart.build_model())),
+        (
+            ["examples.transformer:build_model", "--streams", "2"],
+            lambda: ooo_wrap.plan(transformer.build_model(), 2),
+        ),
+        (
+            ["examples.quickstart:build_model", "--stages", "towers.3", "towers.0"],
+            lambda: ooo_wrap.plan(quickstart.build_model(), stages=["towers.3", "towers.0"]),
+        ),
+    ],
+)
+def test_plan_prints_the_plan_table(argv: list[str], expected: Any) -> None:
+    result = run_cli("plan", *argv)
+    assert (result.status, result.err) == (0, "")
+    assert result.out == f"{expected()}\n"
+
+
+def test_plan_notes_a_model_that_would_be_left_untouched() -> None:
+    result = run_cli("plan", "tests.cli_factories:single_stage")
+    assert result.status == 0
+    assert result.out.startswith("Plan: 1 stages")
+    assert result.out.splitlines()[-1].startswith("note: fewer than two stages")
+
+
+def test_a_class_is_a_factory_too() -> None:
+    result = run_cli("plan", "tests.cli_factories:TokensAndFeatures")
+    assert result.status == 0
+    assert str(ooo_wrap.plan(TokensAndFeatures())) in result.out
+
+
+# --- errors: one line on stderr, exit status 2 ------------------------------------------------
+
+ERRORS = [
+    (["plan", "no_such_package.models:build"], "no module named 'no_such_package.models'"),
+    (["plan", "tests.cli_factories_broken:build"], "No module named 'not_a_real_dependency"),
+    (["plan", "examples.quickstart"], "expected PACKAGE.MODULE:FACTORY"),
+    (["plan", "examples.quickstart:build_modle"], "did you mean 'build_model'?"),
+    (["plan", "tests.cli_factories:NOT_CALLABLE"], "is not callable (type int)"),
+    (["plan", "tests.cli_factories:returns_tensor"], "returned Tensor, not a torch.nn.Module"),
+    (["plan", "tests.cli_factories:raises"], "raised ValueError: factory failed on purpose"),
+    (["plan", "examples.quickstart:build_model", "--streams", "0"], "streams must be"),
+    (["plan", "examples.quickstart:build_model", "--stages", "towers.9"], "no submodule"),
+    (["check", "examples.quickstart:build_model", "--input", "8xa"], "bad --input shape '8xa'"),
+    (["check", "examples.quickstart:build_model", "--input", "8x0"], "bad --input shape"),
+    (
+        ["check", "examples.quickstart:build_model", "--input", "8x64", "--dtype", "float33"],
+        "bad --dtype 'float33'; did you mean 'float32'?",
+    ),
+    (
+        [
+            "check",
+            "tests.cli_factories:TokensAndFeatures",
+            "--input",
+            "4x6",
+            "--input",
+            "4x8",
+            "--dtype",
+            "int64",
+            "float32",
+            "float32",
+        ],
+        "3 --dtype values for 2 --input shapes",
+    ),
+    (
+        ["check", "examples.quickstart:build_model", "--input", "8x64", "--int-high", "0"],
+        "--int-high must be a positive int",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), ERRORS)
+def test_errors_are_one_line_and_exit_status_2(argv: list[str], message: str) -> None:
+    result = run_cli(*argv)
+    assert result.status == 2
+    assert result.out == ""
+    assert result.err.count("\n") == 1 and "Traceback" not in result.err
+    assert result.err.startswith(f"{PROG}: error: ")
+    assert message in result.err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["plan"],
+        ["frobnicate"],
+        ["check", "examples.quickstart:build_model"],  # --input is required
+        ["plan", "examples.quickstart:build_model", "--streams", "two"],
+    ],
+)
+def test_argparse_usage_errors_exit_2(argv: list[str]) -> None:
+    result = run_cli(*argv)
+    assert result.status == 2
+    assert "Traceback" not in result.err
+    assert re.search(rf"^{PROG}( plan| check)?: error: ", result.err, re.MULTILINE)
+
+
+def test_help_exits_0() -> None:
+    result = run_cli("--help")
+    assert result.status == 0
+    assert "plan" in result.out and "check" in result.out
+    result = run_cli("check", "--help")
+    assert result.status == 0 and "[0, HIGH)" in " ".join(result.out.split())
+
+
+# --- check, against a stand-in checker (the real one: test_cli_check.py) ---------------------
+
+
+class FakeReport:
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+
+    def __str__(self) -> str:
+        return "race check: 0 findings" if self.ok else "race check: 1 finding\n  details"
+
+
+class FakeCheck:
+    """Records its arguments; runs the model once, as a checker would."""
+
+    def __init__(self, ok: bool = True) -> None:
+        self.ok = ok
+        self.calls: list[tuple[nn.Module, tuple[torch.Tensor, ...], dict[str, Any]]] = []
+
+    def __call__(self, model: nn.Module, *inputs: torch.Tensor, **options: Any) -> FakeReport:
+        self.calls.append((model, inputs, options))
+        model(*inputs)
+        return FakeReport(self.ok)
+
+
+@pytest.fixture
+def fake_check(monkeypatch: pytest.MonkeyPatch) -> FakeCheck:
+    fake = FakeCheck()
+    monkeypatch.setattr(ooo_wrap.testing, "check", fake, raising=False)
+    return fake
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_check_prints_the_report_and_exits_1_on_findings(fake_check: FakeCheck, ok: bool) -> None:
+    fake_check.ok = ok
+    result = run_cli("check", "examples.quickstart:build_model", "--input", "8x64")
+    assert result.status == (0 if ok else 1)
+    assert result.out == f"{FakeReport(ok)}\n"
+    assert result.err == ""
+
+
+def test_check_passes_a_plain_cpu_model_inputs_and_options(fake_check: FakeCheck) -> None:
+    argv = ["examples.quickstart:build_model", "--input", "8x64", "--streams", "2"]
+    run_cli("check", *argv, "--stages", "towers.0", "towers.1", "--steps", "3")
+    ((model, inputs, options),) = fake_check.calls
+    assert type(model) is quickstart.Towers  # plain: the checker wraps it itself
+    assert next(model.parameters()).device.type == "cpu"
+    assert [(x.shape, x.dtype) for x in inputs] == [(torch.Size([8, 64]), torch.float32)]
+    assert options == {"streams": 2, "stages": ["towers.0", "towers.1"], "steps": 3}
+    run_cli("check", "examples.quickstart:build_model", "--input", "8x64")
+    assert fake_check.calls[1][2] == {"streams": 4, "stages": None, "steps": 2}
+
+
+def test_check_makes_integer_inputs_valid_for_every_embedding(fake_check: FakeCheck) -> None:
+    argv = ["tests.cli_factories:TokensAndFeatures", "--input", "64x6", "--input", "64x8"]
+    assert run_cli("check", *argv, "--dtype", "int64", "float32").status == 0
+    (_, (tokens, features), _), *_ = fake_check.calls
+    assert (tokens.dtype, features.dtype) == (torch.int64, torch.float32)
+    assert tokens.shape == (64, 6) and features.shape == (64, 8)
+    assert tokens.min() >= 0 and tokens.max() < 20  # the smaller of the two tables
+    assert run_cli("check", *argv, "--dtype", "int32", "float32", "--int-high", "3").status == 0
+    assert fake_check.calls[-1][1][0].dtype == torch.int32
+    assert set(fake_check.calls[-1][1][0].unique().tolist()) <= {0, 1, 2}
+
+
+def test_check_inputs_are_seeded(fake_check: FakeCheck) -> None:
+    argv = ["check", "examples.transformer:build_model", "--input", "8x32", "--dtype", "int64"]
+    run_cli(*argv)
+    run_cli(*argv)
+    run_cli(*argv, "--seed", "1")
+    first, second, other = (call[1][0] for call in fake_check.calls)
+    assert torch.equal(first, second) and not torch.equal(first, other)
+    assert first.max() < transformer.VOCAB
+
+
+def test_check_reports_a_model_that_fails_in_one_line(fake_check: FakeCheck) -> None:
+    result = run_cli("check", "examples.quickstart:build_model", "--input", "8x3")
+    assert result.status == 2 and result.out == ""
+    assert result.err.count("\n") == 1
+    assert "the model raised RuntimeError during the check" in result.err
+    assert "--input shapes" in result.err
+
+
+def test_check_without_a_race_checker_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(ooo_wrap.testing, "check", raising=False)
+    result = run_cli("check", "examples.quickstart:build_model", "--input", "8x64")
+    assert result.status == 2
+    assert "no race checker" in result.err
+
+
+# --- helpers, packaging, the doc, a real subprocess ----------------------------------------
+
+
+def test_parse_shape() -> None:
+    assert parse_shape("8x64") == (8, 64)
+    assert parse_shape("3") == (3,)
+    assert parse_shape("2x3x4") == (2, 3, 4)
+
+
+def test_default_int_high() -> None:
+    assert default_int_high(TokensAndFeatures()) == 20
+    assert default_int_high(transformer.build_model()) == transformer.VOCAB
+    assert default_int_high(quickstart.build_model()) == 2
+
+
+def test_console_script_is_declared() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    scripts = re.search(r"^\[project\.scripts\]\n(.*?)(?:^\[|\Z)", pyproject, re.M | re.S)
+    assert scripts is not None
+    assert 'ooo-wrap = "ooo_wrap._cli:main"' in scripts.group(1).splitlines()
+
+
+def test_doc_commands_with_shown_output_print_exactly_that() -> None:
+    commands = [c for c in doc_commands() if c.shown]
+    assert len(commands) == 3
+    for command in commands:
+        result = run_cli(*command.argv)
+        assert result.out + result.err == command.shown, command.argv
+        assert result.status == (2 if result.err else 0)
+
+
+def test_doc_commands_without_output_are_race_checks() -> None:
+    silent = [c for c in doc_commands() if not c.shown]
+    assert silent and all(c.argv[0] == "check" for c in silent)  # run in test_cli_check.py
+
+
+def test_python_dash_m_in_a_subprocess() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "ooo_wrap", "plan", "examples.quickstart:build_model"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"{ooo_wrap.plan(quickstart.build_model())}\n"
+    command = [sys.executable, "-m", "ooo_wrap", "plan", "no_such_module:build"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "python -m ooo_wrap: error: no module named 'no_such_module'; run from the directory "
+        "that contains it, or add that directory to PYTHONPATH\n"
+    )
