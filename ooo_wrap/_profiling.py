@@ -36,18 +36,18 @@ class ProfiledScheduler(Scheduler):
     def _stage_pre_hook(
         self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
     ) -> None:
-        frames = self._local.frames
-        depth = len(frames)
         super()._stage_pre_hook(stage, module, args, kwargs)
-        if len(frames) == depth:
-            return  # compiling: the plain hook pushed no frame, so the post-hook does nothing
+        if torch.compiler.is_compiling():
+            return  # the plain hook only counted a bypass: no frame, no range in a graph
         profile_range = torch.profiler.record_function(range_name(stage.name))
         profile_range.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
-        frames[-1].profile_range = profile_range
+        self._local.frames[-1].profile_range = profile_range  # the frame just pushed
 
     def _stage_post_hook(
         self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
+        if torch.compiler.is_compiling():
+            return  # as the plain hook: nothing was opened
         frames = self._local.frames
         profile_range = None
         if frames and frames[-1].stage is stage:

@@ -183,3 +183,23 @@ def test_ranges_are_harmless_outside_a_profiler() -> None:
 def test_profile_ranges_must_be_a_bool(value: object) -> None:
     with pytest.raises(ooo_wrap.OOOConfigError, match="profile_ranges must be True or False"):
         ooo_wrap.OOOModule(Towers(), backend=SimulatedBackend(), profile_ranges=value)  # type: ignore[arg-type]
+
+
+def test_compiled_calls_run_inline_without_ranges() -> None:
+    model = ooo_wrap.OOOModule(Towers(2), backend=SimulatedBackend(), profile_ranges=True)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 8)
+    counts = _ooo_counts(_profiled(lambda: torch.testing.assert_close(compiled(x), model(x))))
+    # The eager call has its ranges; the compiled one bypasses the scheduler entirely.
+    assert counts == {"ooo/towers.0": 1, "ooo/towers.1": 1}
+    assert model.stats.bypasses == 2 and model.stats.stage_calls == 2
+
+
+@pytest.mark.cuda
+def test_ranges_on_a_gpu() -> None:
+    model = ooo_wrap.OOOModule(Towers().cuda(), profile_ranges=True)
+    assert isinstance(model, ooo_wrap.OOOModule)
+    x = torch.randn(4, 8, device="cuda")
+    events = _profiled(lambda: model(x).sum().backward())
+    assert _ooo_counts(events) == {"ooo/towers.0": 1, "ooo/towers.1": 1, "ooo/towers.2": 1}
+    torch.cuda.synchronize()
