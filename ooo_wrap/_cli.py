@@ -8,11 +8,12 @@ stderr, never a traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -183,9 +184,11 @@ def load_model(spec: str) -> nn.Module:
         raise UsageError(
             f"expected PACKAGE.MODULE:FACTORY, got {spec!r} (e.g. examples.quickstart:build_model)"
         )
-    # As `python -m` does, so the console script finds modules in the current directory.
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    with _current_directory_importable():
+        return _build(spec, module_name, attribute)
+
+
+def _build(spec: str, module_name: str, attribute: str) -> nn.Module:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
@@ -222,6 +225,22 @@ def load_model(spec: str) -> nn.Module:
             "FACTORY must return the model"
         )
     return model
+
+
+@contextlib.contextmanager
+def _current_directory_importable() -> Iterator[None]:
+    """As ``python -m`` does, so that the console script finds modules in the current
+    directory; undone afterwards, so an in-process ``main()`` leaves ``sys.path`` alone."""
+    cwd = os.getcwd()
+    if "" in sys.path or cwd in sys.path:
+        yield
+        return
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(cwd)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

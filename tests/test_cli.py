@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -253,6 +254,61 @@ def test_doc_commands_with_shown_output_print_exactly_that() -> None:
 def test_doc_commands_without_output_are_race_checks() -> None:
     silent = [c for c in doc_commands() if not c.shown]
     assert silent and all(c.argv[0] == "check" for c in silent)  # run in test_cli_check.py
+
+
+MODELS_IN_CWD = """
+from torch import nn
+
+
+def build():
+    return nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+"""
+
+# What pip writes for a [project.scripts] entry: sys.path[0] is the script's folder.
+CONSOLE_SCRIPT = """
+import sys
+from ooo_wrap._cli import main
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+
+
+def test_the_current_directory_is_importable_in_process(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "models_in_cwd_a.py").write_text(MODELS_IN_CWD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    path_before = list(sys.path)
+    try:
+        result = run_cli("plan", "models_in_cwd_a:build")
+    finally:
+        sys.modules.pop("models_in_cwd_a", None)
+    assert (result.status, result.err) == (0, "")
+    assert result.out.startswith("Plan: 2 stages")
+    assert sys.path == path_before  # added for the import only
+
+
+def test_the_console_script_finds_modules_in_the_current_directory(
+    tmp_path: pathlib.Path,
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ooo-wrap").write_text(CONSOLE_SCRIPT)
+    (tmp_path / "models_in_cwd_b.py").write_text(MODELS_IN_CWD)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(bin_dir / "ooo-wrap"), "plan", "models_in_cwd_b:build"]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("Plan: 2 stages")
+    command[-1] = "models_in_cwd_b:nope"
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stderr == "ooo-wrap: error: 'models_in_cwd_b' has no attribute 'nope'\n"
 
 
 def test_python_dash_m_in_a_subprocess() -> None:
