@@ -13,7 +13,9 @@ cannot import it by name. So the scheduler is never copied:
 - ``copy.copy(wrapped)`` raises: a shallow copy would share the stages, and so the hooks.
 - A stage copied or pickled apart from its model raises (``Scheduler.__reduce_ex__``).
 
-User hooks are copied and pickled like any other module state.
+User hooks are copied and pickled like any other module state. The wrapper's hooks are
+registered again after them, so on the copy a user hook added to a stage after wrapping
+runs before the wrapper's rather than after: the protocol orders the streams either way.
 """
 
 from __future__ import annotations

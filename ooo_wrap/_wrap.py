@@ -115,7 +115,8 @@ class OOOModule(nn.Module):
         profile_ranges: bool = False,
     ) -> Any:
         if cls is not OOOModule:
-            # Something re-creating a wrapped model through its class with no arguments.
+            # Code re-creating a wrapped model through its class with no arguments, such as
+            # DataParallel's replicas (copy and pickle use the original class: _serialize.py).
             return super().__new__(cls)
         return _wrap(model, WrapOptions(streams, stages, backend, profile_ranges))
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import copy
 import io
+import os
+import pathlib
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -175,3 +179,24 @@ def test_copies_and_saves_on_a_gpu() -> None:
     assert type(on_cpu) is Towers  # loaded onto the CPU: left plain, and the events say why
     assert [e.reason for e in ooo_wrap.events_for(on_cpu)] == ["cpu"]
     on_cpu(x.cpu()).sum().backward()
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+LOAD_IN_A_FRESH_PROCESS = """
+import sys
+import torch
+model = torch.load(sys.argv[1], weights_only=False)
+model(torch.randn(2, 8)).sum().backward()
+print(type(model).__name__, model.stats.stage_calls, [e.reason for e in model.events])
+"""
+
+
+def test_torch_save_loads_in_a_fresh_process(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "model.pt"
+    torch.save(wrapped(), path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(path)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "OOOTowers 3 ['simulated', 'unpickled']\n"
