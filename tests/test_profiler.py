@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import warnings
 
 import pytest
 import torch
@@ -183,6 +184,16 @@ def test_ranges_are_harmless_outside_a_profiler() -> None:
 def test_profile_ranges_must_be_a_bool(value: object) -> None:
     with pytest.raises(ooo_wrap.OOOConfigError, match="profile_ranges must be True or False"):
         ooo_wrap.OOOModule(Towers(), backend=SimulatedBackend(), profile_ranges=value)  # type: ignore[arg-type]
+
+
+def test_a_jit_trace_keeps_the_ranges() -> None:
+    model = ooo_wrap.OOOModule(Towers(2), backend=SimulatedBackend(), profile_ranges=True)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(model, x)
+    assert model.stats.bypasses >= 2  # traced inline (the trace check also runs it eagerly)
+    assert _ooo_counts(_profiled(lambda: traced(x))) == {"ooo/towers.0": 1, "ooo/towers.1": 1}
 
 
 def test_compiled_calls_run_inline_without_ranges() -> None:
