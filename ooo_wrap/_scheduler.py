@@ -152,9 +152,10 @@ class Scheduler:
         # Reached only when a stage module is copied or pickled apart from its wrapped
         # model (the wrapped model itself is copied without its hooks; _serialize.py).
         raise OOOError(
-            "a stage of a wrapped model cannot be copied or pickled on its own: its hooks "
-            "belong to the wrapped model. Copy or pickle the whole wrapped model, save "
-            "model.state_dict(), or ooo_wrap.unwrap(model) first"
+            "a stage of a wrapped model was copied or pickled apart from the model (on its "
+            "own, or through a reference outside the model's sub-modules, such as a plain "
+            "list attribute), and its hooks belong to the wrapped model. Copy or pickle the "
+            "whole wrapped model, save model.state_dict(), or ooo_wrap.unwrap(model) first"
         )
 
     def sync_compiled_events(self) -> None:

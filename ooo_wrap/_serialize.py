@@ -11,7 +11,9 @@ cannot import it by name. So the scheduler is never copied:
   left out, nothing on the original changed) and the options; loading wraps it again, on
   the devices it is loaded to, or falls back (and ``events_for`` says why).
 - ``copy.copy(wrapped)`` raises: a shallow copy would share the stages, and so the hooks.
-- A stage copied or pickled apart from its model raises (``Scheduler.__reduce_ex__``).
+- A stage copied or pickled apart from its model raises (``Scheduler.__reduce_ex__``); so
+  does a pickle that reaches a stage other than as a sub-module (say, from a plain list
+  attribute), since only the module tree is stored without the hooks.
 
 User hooks are copied and pickled like any other module state. The wrapper's hooks are
 registered again after them, so on the copy a user hook added to a stage after wrapping

@@ -109,7 +109,7 @@ def test_a_stage_alone_cannot_be_pickled_or_copied() -> None:
     model = wrapped()
     with pytest.raises(ooo_wrap.OOOError, match=r"state_dict\(\).*unwrap"):
         pickle.dumps(model.towers[0])
-    with pytest.raises(ooo_wrap.OOOError, match="stage of a wrapped model"):
+    with pytest.raises(ooo_wrap.OOOError, match="stage of a wrapped model was copied"):
         copy.deepcopy(model.towers[0])
     ooo_wrap.unwrap(model)  # once unwrapped, a stage is plain again
     assert isinstance(copy.deepcopy(model.towers[0]), nn.Sequential)
@@ -126,3 +126,14 @@ def test_unwrapped_model_pickles_as_plain() -> None:
     loaded = pickle_round_trip(model)
     assert type(loaded) is Towers
     assert hook_counts(loaded) == [0] * len(list(loaded.modules()))
+
+
+def test_a_stage_referenced_outside_the_module_tree() -> None:
+    model = wrapped()
+    model.order = [model.towers[2], model.towers[0]]  # a plain list, not a ModuleList
+    clone = copy.deepcopy(model)  # the deep copy follows every reference
+    assert clone.order[0] is clone.towers[2] and clone.order[1] is clone.towers[0]
+    clone(torch.randn(2, 8))
+    assert clone.stats.stage_calls == 3
+    with pytest.raises(ooo_wrap.OOOError, match="reference outside the model's sub-modules"):
+        pickle.dumps(model)  # pickle cannot: the list would carry the stage with its hooks
