@@ -21,6 +21,7 @@ from torch import nn
 
 from ._errors import OOOError, did_you_mean
 from ._plan import plan
+from ._wrap import unwrap
 
 __all__ = ["main"]
 
@@ -224,7 +225,8 @@ def _build(spec: str, module_name: str, attribute: str) -> nn.Module:
             f"{spec}() returned {type(model).__name__}, not a torch.nn.Module; "
             "FACTORY must return the model"
         )
-    return model
+    # The command's own options decide the stages and streams (and check wraps by itself).
+    return unwrap(model)
 
 
 @contextlib.contextmanager

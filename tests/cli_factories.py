@@ -20,6 +20,14 @@ def single_stage() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 4))
 
 
+def already_wrapped() -> nn.Module:
+    from ooo_wrap import OOOModule
+    from ooo_wrap.testing import SimulatedBackend
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    return OOOModule(model, streams=1, backend=SimulatedBackend())  # type: ignore[no-any-return]
+
+
 class TokensAndFeatures(nn.Module):
     """Two inputs of different dtypes: token ids (int64) and features (float32)."""
 

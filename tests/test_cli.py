@@ -46,6 +46,12 @@ def test_plan_notes_a_model_that_would_be_left_untouched() -> None:
     assert result.out.splitlines()[-1].startswith("note: fewer than two stages")
 
 
+def test_a_wrapped_model_is_planned_with_the_command_options() -> None:
+    result = run_cli("plan", "tests.cli_factories:already_wrapped", "--streams", "3")
+    assert result.status == 0
+    assert result.out.startswith("Plan: 3 stages on 3 side streams (max 3;")
+
+
 def test_a_class_is_a_factory_too() -> None:
     result = run_cli("plan", "tests.cli_factories:TokensAndFeatures")
     assert result.status == 0

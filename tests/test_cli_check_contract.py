@@ -68,6 +68,12 @@ def test_check_passes_a_plain_cpu_model_inputs_and_options(fake_check: FakeCheck
     assert fake_check.calls[1][2] == {"streams": 4, "stages": None, "steps": 2}
 
 
+def test_check_gets_a_plain_model_from_a_factory_that_wraps(fake_check: FakeCheck) -> None:
+    assert run_cli("check", "tests.cli_factories:already_wrapped", "--input", "2x4").status == 0
+    ((model, _, _),) = fake_check.calls
+    assert type(model) is nn.Sequential
+
+
 def test_check_makes_integer_inputs_valid_for_every_embedding(fake_check: FakeCheck) -> None:
     argv = ["tests.cli_factories:TokensAndFeatures", "--input", "64x6", "--input", "64x8"]
     assert run_cli("check", *argv, "--dtype", "int64", "float32").status == 0
