@@ -152,6 +152,8 @@ def _run_check(args: argparse.Namespace) -> int:
     dtypes = _dtypes_for(args.dtypes or ["float32"], len(shapes))
     if args.int_high is not None and args.int_high < 1:
         raise UsageError(f"--int-high must be a positive int, got {args.int_high}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be a positive int, got {args.steps}")
     from . import testing  # lazily: the checker is only needed by this command
 
     check = getattr(testing, "check", None)

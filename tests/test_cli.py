@@ -95,6 +95,10 @@ ERRORS = [
         ["check", "examples.quickstart:build_model", "--input", "8x64", "--int-high", "0"],
         "--int-high must be a positive int",
     ),
+    (
+        ["check", "examples.quickstart:build_model", "--input", "8x64", "--steps", "0"],
+        "--steps must be a positive int",
+    ),
 ]
 
 
