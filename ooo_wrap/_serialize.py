@@ -4,20 +4,20 @@ A wrapped model's hooks close over its scheduler (per-thread state, streams), wh
 neither copyable nor picklable, and its class ``OOO<Cls>`` is made at run time, so pickle
 cannot import it by name. So the scheduler is never copied:
 
-- ``copy.deepcopy(wrapped)`` deep-copies the model as its original class with the wrapper's
-  hooks left out, then wraps the copy with the same options and the same backend object.
-  The copy has its own hooks, streams, events and stats.
-- ``pickle`` / ``torch.save`` store the plain model (original class, the wrapper's hooks
-  left out, nothing on the original changed) and the options; loading wraps it again, on
-  the devices it is loaded to, or falls back (and ``events_for`` says why).
+- ``copy.deepcopy(wrapped)`` deep-copies the model as its original class with a marker in
+  place of each of the wrapper's hooks, then wraps the copy with the same options and the
+  same backend object. The copy has its own hooks, streams, events and stats.
+- ``pickle`` / ``torch.save`` store the plain model (original class, markers in place of
+  the wrapper's hooks, nothing on the original changed) and the options; loading wraps it
+  again, on the devices it is loaded to, or falls back (and ``events_for`` says why).
 - ``copy.copy(wrapped)`` raises: a shallow copy would share the stages, and so the hooks.
 - A stage copied or pickled apart from its model raises (``Scheduler.__reduce_ex__``); so
   does a pickle that reaches a stage other than as a sub-module (say, from a plain list
   attribute), since only the module tree is stored without the hooks.
 
-User hooks are copied and pickled like any other module state. The wrapper's hooks are
-registered again after them, so on the copy a user hook added to a stage after wrapping
-runs before the wrapper's rather than after: the protocol orders the streams either way.
+User hooks are copied and pickled like any other module state, and keep their place: the
+markers say where the wrapper's hooks were, so that the new hooks take those places (a user
+hook added to a stage after wrapping still runs after the wrapper's, on the caller's stream).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from torch import nn
@@ -37,26 +38,31 @@ from ._wrap import _wrap, _wrapped, _WrapState
 
 __all__ = ["deepcopy_wrapped", "reduce_wrapped", "refuse_shallow_copy"]
 
-# Where a deep copy meets one of the wrapper's hooks, it puts this instead of copying the
-# hook (and its scheduler); those entries are then removed from the copy.
-_LEFT_OUT = object()
+Hooks = dict[Any, Any]  # a module's hook dict (an OrderedDict), keyed by hook id
+
+
+@dataclass(frozen=True)
+class _WrapperHook:
+    """Stands in a copied or pickled hook dict where the wrapper's hook number ``index``
+    (in install order) was; replaced by the new wrapper's hook of the same index."""
+
+    index: int
 
 
 def deepcopy_wrapped(model: nn.Module, state: _WrapState, memo: dict[int, Any]) -> nn.Module:
     """``copy.deepcopy`` of a wrapped model: a plain deep copy, wrapped with the same options."""
-    for handle in state.handles:
-        # The hook callables only: the extra dicts' values are ``True``, which must copy as is.
+    for index, handle in enumerate(state.handles):
         hooks = handle.hooks_dict_ref()
         if hooks is not None and handle.id in hooks:
-            memo[id(hooks[handle.id])] = _LEFT_OUT
+            memo[id(hooks[handle.id])] = _WrapperHook(index)  # copied as the marker
     cls = state.original_class
     clone = cls.__new__(cls)
     memo[id(model)] = clone  # before copying the state: it may refer back to the model
     # nn.Module's __getstate__ / __setstate__ are untyped in torch.
     plain_state = model.__getstate__()  # type: ignore[no-untyped-call]
     clone.__setstate__(copy.deepcopy(plain_state, memo))  # type: ignore[no-untyped-call]
-    for hooks, hook_id in _hook_entries(state.handles):
-        copied = memo.get(id(hooks))  # the copy of this hook dict, made just above
+    for hooks, hook_id in _extra_entries(state.handles):
+        copied = memo.get(id(hooks))  # the copy of this dict, made just above
         if isinstance(copied, dict):
             copied.pop(hook_id, None)
     _wrap_again(
@@ -77,9 +83,13 @@ def reduce_wrapped(model: nn.Module, state: _WrapState) -> tuple[Any, ...]:
             f"cannot pickle this wrapped {state.original_class.__name__}: its __getstate__ "
             "does not return a dict; save model.state_dict(), or ooo_wrap.unwrap(model) first"
         )
-    ours: dict[int, set[int]] = {}  # id of a hook dict -> ids of the wrapper's hooks in it
-    for hooks, hook_id in _hook_entries(state.handles):
-        ours.setdefault(id(hooks), set()).add(hook_id)
+    ours: dict[int, dict[int, _WrapperHook | None]] = {}  # id(dict) -> hook id -> marker
+    for index, handle in enumerate(state.handles):
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None:
+            ours.setdefault(id(hooks), {})[handle.id] = _WrapperHook(index)
+    for hooks, hook_id in _extra_entries(state.handles):
+        ours.setdefault(id(hooks), {})[hook_id] = None  # membership only: just dropped
     on_paths = set()  # every module below the root on the way down to a stage, stage included
     for stage in state.plan.stages:
         parts = stage.name.split(".")
@@ -100,10 +110,10 @@ def refuse_shallow_copy(model: nn.Module) -> NoReturn:
     )
 
 
-def _hook_entries(handles: list[RemovableHandle]) -> Iterator[tuple[dict[Any, Any], int]]:
-    """Each (hook dict, hook id) the wrapper's handles own, extra dicts included."""
+def _extra_entries(handles: list[RemovableHandle]) -> Iterator[tuple[Hooks, int]]:
+    """Each (dict, hook id) in the handles' extra dicts (``with_kwargs``, ``always_call``)."""
     for handle in handles:
-        for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+        for ref in handle.extra_dict_ref:
             hooks = ref()
             if hooks is not None and handle.id in hooks:
                 yield hooks, handle.id
@@ -111,17 +121,21 @@ def _hook_entries(handles: list[RemovableHandle]) -> Iterator[tuple[dict[Any, An
 
 def _plain_copy_of(
     module_state: dict[str, Any],
-    ours: dict[int, set[int]],
+    ours: dict[int, dict[int, _WrapperHook | None]],
     on_paths: set[int],
     views: dict[int, nn.Module],
 ) -> dict[str, Any]:
-    """A shallow copy of a module's state without the wrapper's hooks, children on a path
-    to a stage replaced by such copies too; tensors and other values are shared."""
+    """A shallow copy of a module's state with markers for the wrapper's hooks, children on
+    a path to a stage replaced by such copies too; tensors and other values are shared."""
     plain: dict[str, Any] = {}
     for key, value in module_state.items():
-        dropped = ours.get(id(value))
-        if dropped is not None:
-            value = type(value)((k, v) for k, v in value.items() if k not in dropped)
+        markers = ours.get(id(value))
+        if markers is not None:
+            value = type(value)(
+                (k, markers.get(k, v))
+                for k, v in value.items()
+                if k not in markers or markers[k] is not None
+            )
         plain[key] = value
     children = plain.get("_modules")
     if isinstance(children, dict):
@@ -133,9 +147,12 @@ def _plain_copy_of(
 
 
 def _plain_view(
-    module: nn.Module, ours: dict[int, set[int]], on_paths: set[int], views: dict[int, nn.Module]
+    module: nn.Module,
+    ours: dict[int, dict[int, _WrapperHook | None]],
+    on_paths: set[int],
+    views: dict[int, nn.Module],
 ) -> nn.Module:
-    """A new object of ``module``'s class sharing its tensors, without the wrapper's hooks.
+    """A new object of ``module``'s class sharing its tensors, with markers for hooks.
 
     Only ever pickled, never run; one per module, so a module registered twice stays one.
     """
@@ -165,8 +182,57 @@ def _restore(model: nn.Module, payload: tuple[dict[str, Any], WrapOptions]) -> N
 
 
 def _wrap_again(model: nn.Module, options: WrapOptions, reason: str, message: str) -> None:
-    """Wrap ``model`` as ``options`` say; when it is wrapped, note where it came from."""
+    """Take the markers out, wrap ``model`` as ``options`` say, put the new hooks in the
+    markers' places and note where the model came from; or leave it plain (a fallback)."""
+    marked = _take_markers(model)
+    _skip_loaded_hook_ids(model)
     _wrap(model, options)
     state = _wrapped.get(model)
-    if state is not None:
-        state.log.add(OOOEvent(EventKind.ENABLED, reason, message), level=logging.DEBUG)
+    if state is None:
+        return
+    for hooks, order in marked:
+        _reorder(hooks, order, state.handles)
+    state.log.add(OOOEvent(EventKind.ENABLED, reason, message), level=logging.DEBUG)
+
+
+def _take_markers(model: nn.Module) -> list[tuple[Hooks, list[Any]]]:
+    """Remove every marker; return each dict that had one, with its keys in order (the
+    markers themselves standing for the wrapper's hooks)."""
+    marked = []
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, dict) and any(isinstance(v, _WrapperHook) for v in value.values()):
+                order = [v if isinstance(v, _WrapperHook) else k for k, v in value.items()]
+                for key in [k for k, v in value.items() if isinstance(v, _WrapperHook)]:
+                    del value[key]
+                marked.append((value, order))
+    return marked
+
+
+def _skip_loaded_hook_ids(model: nn.Module) -> None:
+    """Move the hook id counter past every id in ``model``'s dicts.
+
+    Unpickling in a fresh process brings hook ids the counter there never handed out; a
+    new hook could get one of them and silently replace a user hook in the same dict.
+    """
+    highest = -1
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, dict):
+                highest = max(highest, max((k for k in value if type(k) is int), default=-1))
+    RemovableHandle.next_id = max(RemovableHandle.next_id, highest + 1)
+
+
+def _reorder(hooks: Hooks, order: list[Any], handles: list[RemovableHandle]) -> None:
+    """Put the new wrapper hooks where the markers were in ``order``, if they match."""
+    keys = []
+    for item in order:
+        if isinstance(item, _WrapperHook):
+            if item.index >= len(handles) or handles[item.index].hooks_dict_ref() is not hooks:
+                return  # planned differently this time: keep the order registration gave
+            keys.append(handles[item.index].id)
+        else:
+            keys.append(item)
+    for key in keys:
+        if key in hooks:
+            hooks[key] = hooks.pop(key)  # to the end, in order

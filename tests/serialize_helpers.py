@@ -13,13 +13,27 @@ from ooo_wrap.testing import SimulatedBackend
 
 
 class Recorder:
-    """A picklable forward hook that counts its calls."""
+    """A picklable forward (pre-)hook that counts its calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        self.name = name
         self.calls = 0
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+    def __call__(self, module: nn.Module, *args_and_output: Any) -> None:
         self.calls += 1
+
+
+def hook_layout(model: nn.Module) -> list[tuple[str, str, list[str]]]:
+    """Per module and hook dict, the hooks in the order they run: a Recorder's name, or
+    ``ooo`` for the wrapper's."""
+    layout = []
+    for name, module in model.named_modules():
+        for kind in ("_forward_pre_hooks", "_forward_hooks"):
+            hooks = getattr(module, kind).values()
+            names = [hook.name if isinstance(hook, Recorder) else "ooo" for hook in hooks]
+            if names:
+                layout.append((name, kind, names))
+    return layout
 
 
 class Towers(nn.Module):

@@ -17,6 +17,7 @@ from tests.serialize_helpers import (
     Towers,
     assert_same_state,
     hook_counts,
+    hook_layout,
     pickle_round_trip,
     wrapped,
 )
@@ -137,3 +138,25 @@ def test_a_stage_referenced_outside_the_module_tree() -> None:
     assert clone.stats.stage_calls == 3
     with pytest.raises(ooo_wrap.OOOError, match="reference outside the model's sub-modules"):
         pickle.dumps(model)  # pickle cannot: the list would carry the stage with its hooks
+
+
+def _with_hooks_before_and_after_wrapping() -> nn.Module:
+    plain = Towers()
+    plain.register_forward_pre_hook(Recorder("root-pre-before"))
+    plain.register_forward_hook(Recorder("root-before"))
+    plain.towers[1].register_forward_pre_hook(Recorder("pre-before"))
+    plain.towers[1].register_forward_hook(Recorder("post-before"))
+    model = ooo_wrap.OOOModule(plain, backend=SimulatedBackend())
+    model.register_forward_hook(Recorder("root-after"))
+    model.towers[1].register_forward_pre_hook(Recorder("pre-after"))
+    model.towers[1].register_forward_hook(Recorder("post-after"))
+    return model
+
+
+def test_user_hooks_keep_their_place_around_the_wrappers() -> None:
+    model = _with_hooks_before_and_after_wrapping()
+    layout = hook_layout(model)
+    assert ("towers.1", "_forward_hooks", ["post-before", "ooo", "post-after"]) in layout
+    assert ("", "_forward_pre_hooks", ["ooo", "root-pre-before"]) in layout
+    assert hook_layout(copy.deepcopy(model)) == layout
+    assert hook_layout(pickle_round_trip(model)) == layout

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 import ooo_wrap
 from ooo_wrap import EventKind
@@ -23,6 +24,7 @@ from tests.serialize_helpers import (
     Towers,
     assert_same_state,
     hook_counts,
+    hook_layout,
     pickle_round_trip,
     wrapped,
 )
@@ -183,20 +185,46 @@ def test_copies_and_saves_on_a_gpu() -> None:
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+
+def test_loaded_hook_ids_are_not_handed_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = Towers()
+    plain.pre = Recorder("pre")
+    handle = plain.register_forward_pre_hook(plain.pre)
+    data = pickle.dumps(ooo_wrap.OOOModule(plain, backend=SimulatedBackend()))
+    # As in a fresh process, where the id counter never handed out the loaded ids: the
+    # wrapper's root pre-hook, registered first, would get the user pre-hook's id.
+    monkeypatch.setattr(RemovableHandle, "next_id", handle.id)
+    loaded = pickle.loads(data)
+    loaded(torch.randn(2, 8))
+    assert loaded.pre.calls == 1
+    assert hook_layout(loaded)[0] == ("", "_forward_pre_hooks", ["ooo", "pre"])
+
+
 LOAD_IN_A_FRESH_PROCESS = """
 import sys
 import torch
+from torch.utils.hooks import RemovableHandle
+first_id = RemovableHandle.next_id
 model = torch.load(sys.argv[1], weights_only=False)
 model(torch.randn(2, 8)).sum().backward()
-print(type(model).__name__, model.stats.stage_calls, [e.reason for e in model.events])
+print(first_id, type(model).__name__, model.stats.stage_calls, model.towers[0].hook.calls)
+print([e.reason for e in model.events])
 """
 
 
-def test_torch_save_loads_in_a_fresh_process(tmp_path: pathlib.Path) -> None:
+def test_torch_save_loads_in_a_fresh_process(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = Towers()
+    plain.towers[0].hook = Recorder("stage-0")
+    # Id 3 is what a fresh process gives the wrapper's 4th hook (towers.0's forward hook).
+    monkeypatch.setattr(RemovableHandle, "next_id", 3)
+    plain.towers[0].register_forward_hook(plain.towers[0].hook)
+    monkeypatch.undo()
     path = tmp_path / "model.pt"
-    torch.save(wrapped(), path)
+    torch.save(ooo_wrap.OOOModule(plain, backend=SimulatedBackend()), path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "OOOTowers 3 ['simulated', 'unpickled']\n"
+    assert done.stdout == "0 OOOTowers 3 1\n['simulated', 'unpickled']\n"
