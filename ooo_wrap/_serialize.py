@@ -43,8 +43,12 @@ Hooks = dict[Any, Any]  # a module's hook dict (an OrderedDict), keyed by hook i
 
 @dataclass(frozen=True)
 class _WrapperHook:
-    """Stands in a copied or pickled hook dict where the wrapper's hook number ``index``
-    (in install order) was; replaced by the new wrapper's hook of the same index."""
+    """Marks, in a copied or pickled hook dict, the place of the wrapper's hook number
+    ``index`` (in install order); the new wrapper's hook of that index takes the place.
+
+    Part of the pickle format of wrapped models, with :func:`_new_instance`,
+    :func:`_restore` and ``WrapOptions``: renaming them breaks loading older pickles.
+    """
 
     index: int
 
