@@ -14,6 +14,9 @@ For one stage call, with ``ambient`` the caller's current stream and ``s`` the s
    untracked parent op can read an unfinished stage.
 5. Root post-hook: the current stream waits on every stage stream used in the call,
    before the output (and the loss) reaches the host.
+
+``_profiling.ProfiledScheduler`` adds profiler ranges around steps 3-4 by overriding the
+two stage hooks, so a model wrapped without ``profile_ranges`` pays nothing for them.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import logging
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn, SupportsIndex
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._backend import Backend, Stream
+from ._errors import OOOError
 from ._events import EventKind, EventLog, OOOEvent
 from ._plan import Plan, Stage
 from ._stats import Counters
@@ -89,7 +93,10 @@ class _StageRuntime:
 class _Frame:
     """One stage call in flight on this thread; ``ambient is None`` when bypassed."""
 
-    __slots__ = ("ambient", "outer_exception", "stage")
+    # ``profile_range`` is set and read only by ProfiledScheduler's hooks, so plain frames
+    # never pay for it.
+    __slots__ = ("ambient", "outer_exception", "profile_range", "stage")
+    profile_range: torch.profiler.record_function
 
     def __init__(self, stage: _StageRuntime, ambient: Stream | None) -> None:
         self.stage = stage
@@ -140,6 +147,16 @@ class Scheduler:
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             post = functools.partial(self._stage_post_hook, stage)
             handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # Reached only when a stage module is copied or pickled apart from its wrapped
+        # model (the wrapped model itself is copied without its hooks; _serialize.py).
+        raise OOOError(
+            "a stage of a wrapped model was copied or pickled apart from the model (on its "
+            "own, or through a reference outside the model's sub-modules, such as a plain "
+            "list attribute), and its hooks belong to the wrapped model. Copy or pickle the "
+            "whole wrapped model, save model.state_dict(), or ooo_wrap.unwrap(model) first"
+        )
 
     def sync_compiled_events(self) -> None:
         """Move bypass counts taken inside compiled code into the event log."""

@@ -7,7 +7,7 @@ import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
@@ -17,7 +17,9 @@ from ._backend import AcceleratorBackend, Backend
 from ._compat import is_compiled_module
 from ._errors import OOOConfigError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
-from ._plan import Plan, check_streams, plan
+from ._options import WrapOptions
+from ._plan import Plan, plan
+from ._profiling import ProfiledScheduler
 from ._scheduler import Scheduler
 from ._stats import Counters, OOOStats
 
@@ -33,6 +35,7 @@ class _WrapState:
     """Everything the wrapper knows about one wrapped model (kept outside the model)."""
 
     plan: Plan
+    options: WrapOptions
     original_class: type[nn.Module]
     scheduler: Scheduler
     handles: list[RemovableHandle]
@@ -82,13 +85,17 @@ class OOOModule(nn.Module):
         stages: dotted sub-module names to use as stages (see :func:`ooo_wrap.plan`).
         backend: where streams come from; the real accelerator by default, or
             :class:`ooo_wrap.testing.SimulatedBackend` to run the hooks on a CPU model.
+        profile_ranges: run each stage's forward inside
+            ``torch.profiler.record_function("ooo/<stage name>")`` so traces show stage
+            names; off by default, and free when off.
 
     Returns:
         ``model`` itself, wrapped or untouched.
 
     Raises:
         OOOConfigError: ``model`` is not a module or is already wrapped, ``streams`` is not
-            a positive int, or a stage name is unknown, repeated, the root or overlapping.
+            a positive int, ``profile_ranges`` is not a bool, or a stage name is unknown,
+            repeated, the root or overlapping.
 
     Example::
 
@@ -104,11 +111,13 @@ class OOOModule(nn.Module):
         *,
         stages: Sequence[str] | None = None,
         backend: Backend | None = None,
+        profile_ranges: bool = False,
     ) -> Any:
         if cls is not OOOModule:
-            # copy / pickle re-create a wrapped model through its class with no arguments.
+            # Code re-creating a wrapped model through its class with no arguments, such as
+            # DataParallel's replicas (copy and pickle use the original class: _serialize.py).
             return super().__new__(cls)
-        return _wrap(model, streams, stages, backend)
+        return _wrap(model, WrapOptions(streams, stages, backend, profile_ranges))
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         # type.__call__ calls __init__ on the returned model: leave it exactly as it is.
@@ -142,6 +151,24 @@ class OOOModule(nn.Module):
         Calling it again (or on a model that is not wrapped) does nothing.
         """
         return unwrap(self)
+
+    # Copies and pickles are of the plain model, wrapped again with the same options:
+    # the scheduler (thread-local state, streams) is never copied. See _serialize.py.
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        from ._serialize import deepcopy_wrapped  # _serialize imports this module
+
+        return deepcopy_wrapped(self, _state(self), memo)
+
+    def __copy__(self) -> nn.Module:
+        from ._serialize import refuse_shallow_copy
+
+        return refuse_shallow_copy(self)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        from ._serialize import reduce_wrapped
+
+        return reduce_wrapped(self, _state(self))
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -196,9 +223,7 @@ def _state(model: nn.Module) -> _WrapState:
     return state
 
 
-def _wrap(
-    model: object, streams: int, stages: Sequence[str] | None, backend: Backend | None
-) -> nn.Module:
+def _wrap(model: object, options: WrapOptions) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise OOOConfigError(
             f"OOOModule expects a torch.nn.Module, got {type(model).__name__}; "
@@ -209,24 +234,23 @@ def _wrap(
             f"this {type(model).__name__} is already wrapped; call model.unwrap() first "
             "to wrap it again with other options"
         )
-    check_streams(streams)
     if is_compiled_module(model):
         return record_fallback(model, "compiled", warn=True)
     if isinstance(model, torch.jit.ScriptModule):
         return record_fallback(model, "unsupported_module")
-    the_plan = plan(model, streams, stages=stages)
+    the_plan = plan(model, options.streams, stages=options.stages)
     if len(the_plan.stages) < 2:
         return record_fallback(model, "too_few_stages")
     if len(the_plan.devices) > 1:
         return record_fallback(model, "multi_device")
-    backend = backend if backend is not None else AcceleratorBackend()
+    backend = options.backend if options.backend is not None else AcceleratorBackend()
     reason = backend.unsupported_reason(the_plan.devices[0])
     if reason is not None:
         return record_fallback(model, reason)
-    return _install(model, the_plan, backend)
+    return _install(model, the_plan, options, backend)
 
 
-def _install(model: nn.Module, the_plan: Plan, backend: Backend) -> nn.Module:
+def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Backend) -> nn.Module:
     """Create streams, register hooks and swap the class; undo all of it on any failure."""
     original_class = type(model)
     names_before = _names(model)
@@ -236,12 +260,16 @@ def _install(model: nn.Module, the_plan: Plan, backend: Backend) -> nn.Module:
         device = the_plan.devices[0]
         streams = [backend.new_stream(device) for _ in range(the_plan.num_streams)]
         counters = Counters()
-        scheduler = Scheduler(the_plan, streams, backend, log, counters)
+        # Picked here, once: without profile_ranges the hooks carry no profiling code.
+        scheduler_class = ProfiledScheduler if options.profile_ranges else Scheduler
+        scheduler = scheduler_class(the_plan, streams, backend, log, counters)
         scheduler.install(model, handles)
         model.__class__ = _wrapped_class(model, original_class)
         if _names(model) != names_before:  # the contract: wrapping renames nothing
             raise RuntimeError("parameter or buffer names changed while wrapping")
-        _wrapped[model] = _WrapState(the_plan, original_class, scheduler, handles, log, counters)
+        _wrapped[model] = _WrapState(
+            the_plan, options, original_class, scheduler, handles, log, counters
+        )
     except Exception as error:
         for handle in handles:
             handle.remove()

@@ -8,6 +8,7 @@ import itertools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,6 +92,11 @@ class SimulatedBackend:
         self._local = threading.local()
         self._capturing: set[VirtualStream] = set()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Virtual streams are not data: a pickled backend loads as a fresh one (empty log,
+        # same log settings), so a pickled wrapped model loads and runs on the CPU.
+        return (_fresh_backend, (self._log.maxlen,))
+
     @property
     def log(self) -> tuple[StreamCall, ...]:
         """The recorded calls, oldest first."""
@@ -164,3 +170,10 @@ class SimulatedBackend:
             yield
         finally:
             self._capturing.discard(stream)
+
+
+def _fresh_backend(log_size: int | None) -> SimulatedBackend:
+    """A new :class:`SimulatedBackend` with the given log bound (``None``: keep all)."""
+    if log_size is None:
+        return SimulatedBackend(keep_all=True)
+    return SimulatedBackend(log_size=log_size)

@@ -1,0 +1,242 @@
+"""Copies and pickles of a wrapped model: the plain model, wrapped again with the same options.
+
+A wrapped model's hooks close over its scheduler (per-thread state, streams), which is
+neither copyable nor picklable, and its class ``OOO<Cls>`` is made at run time, so pickle
+cannot import it by name. So the scheduler is never copied:
+
+- ``copy.deepcopy(wrapped)`` deep-copies the model as its original class with a marker in
+  place of each of the wrapper's hooks, then wraps the copy with the same options and the
+  same backend object. The copy has its own hooks, streams, events and stats.
+- ``pickle`` / ``torch.save`` store the plain model (original class, markers in place of
+  the wrapper's hooks, nothing on the original changed) and the options; loading wraps it
+  again, on the devices it is loaded to, or falls back (and ``events_for`` says why).
+- ``copy.copy(wrapped)`` raises: a shallow copy would share the stages, and so the hooks.
+- A stage copied or pickled apart from its model raises (``Scheduler.__reduce_ex__``); so
+  does a pickle that reaches a stage other than as a sub-module (say, from a plain list
+  attribute), since only the module tree is stored without the hooks.
+
+User hooks are copied and pickled like any other module state, and keep their place: the
+markers say where the wrapper's hooks were, so that the new hooks take those places (a user
+hook added to a stage after wrapping still runs after the wrapper's, on the caller's stream).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._errors import OOOError
+from ._events import EventKind, OOOEvent
+from ._options import WrapOptions
+from ._wrap import _wrap, _wrapped, _WrapState
+
+__all__ = ["deepcopy_wrapped", "reduce_wrapped", "refuse_shallow_copy"]
+
+Hooks = dict[Any, Any]  # a module's hook dict (an OrderedDict), keyed by hook id
+
+
+@dataclass(frozen=True)
+class _WrapperHook:
+    """Marks, in a copied or pickled hook dict, the place of the wrapper's hook number
+    ``index`` (in install order); the new wrapper's hook of that index takes the place.
+
+    Part of the pickle format of wrapped models, with :func:`_new_instance`,
+    :func:`_restore` and ``WrapOptions``: renaming them breaks loading older pickles.
+    """
+
+    index: int
+
+
+def deepcopy_wrapped(model: nn.Module, state: _WrapState, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy`` of a wrapped model: a plain deep copy, wrapped with the same options."""
+    for index, handle in enumerate(state.handles):
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            memo[id(hooks[handle.id])] = _WrapperHook(index)  # copied as the marker
+    cls = state.original_class
+    clone = cls.__new__(cls)
+    memo[id(model)] = clone  # before copying the state: it may refer back to the model
+    # nn.Module's __getstate__ / __setstate__ are untyped in torch.
+    plain_state = model.__getstate__()  # type: ignore[no-untyped-call]
+    clone.__setstate__(copy.deepcopy(plain_state, memo))  # type: ignore[no-untyped-call]
+    for hooks, hook_id in _extra_entries(state.handles):
+        copied = memo.get(id(hooks))  # the copy of this dict, made just above
+        if isinstance(copied, dict):
+            copied.pop(hook_id, None)
+    _wrap_again(
+        clone,
+        state.options,
+        "deepcopy",
+        "a deep copy of a wrapped model, wrapped again with the same options: its own "
+        "hooks, streams, events and stats (the original's stay with the original)",
+    )
+    return clone
+
+
+def reduce_wrapped(model: nn.Module, state: _WrapState) -> tuple[Any, ...]:
+    """``__reduce_ex__`` of a wrapped model: rebuild the plain model, then wrap it again."""
+    plain_state = model.__getstate__()  # type: ignore[no-untyped-call]  # untyped in torch
+    if not isinstance(plain_state, dict):
+        raise OOOError(
+            f"cannot pickle this wrapped {state.original_class.__name__}: its __getstate__ "
+            "does not return a dict; save model.state_dict(), or ooo_wrap.unwrap(model) first"
+        )
+    ours: dict[int, dict[int, _WrapperHook | None]] = {}  # id(dict) -> hook id -> marker
+    for index, handle in enumerate(state.handles):
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None:
+            ours.setdefault(id(hooks), {})[handle.id] = _WrapperHook(index)
+    for hooks, hook_id in _extra_entries(state.handles):
+        ours.setdefault(id(hooks), {})[hook_id] = None  # membership only: just dropped
+    on_paths = set()  # every module below the root on the way down to a stage, stage included
+    for stage in state.plan.stages:
+        parts = stage.name.split(".")
+        for depth in range(1, len(parts) + 1):
+            on_paths.add(id(model.get_submodule(".".join(parts[:depth]))))
+    views: dict[int, nn.Module] = {}
+    payload = (_plain_copy_of(plain_state, ours, on_paths, views), state.options)
+    # The 6th item (state_setter) runs after the state is loaded: the model is rebuilt
+    # first, so references back to it inside its own state resolve to the new object.
+    return (_new_instance, (state.original_class,), payload, None, None, _restore)
+
+
+def refuse_shallow_copy(model: nn.Module) -> NoReturn:
+    """``copy.copy`` of a wrapped model: refused, it would share the original's hooks."""
+    raise OOOError(
+        f"copy.copy of a wrapped {type(model).__name__} would share its stages, and so its "
+        "hooks, with the original; use copy.deepcopy(model), or ooo_wrap.unwrap(model) first"
+    )
+
+
+def _extra_entries(handles: list[RemovableHandle]) -> Iterator[tuple[Hooks, int]]:
+    """Each (dict, hook id) in the handles' extra dicts (``with_kwargs``, ``always_call``)."""
+    for handle in handles:
+        for ref in handle.extra_dict_ref:
+            hooks = ref()
+            if hooks is not None and handle.id in hooks:
+                yield hooks, handle.id
+
+
+def _plain_copy_of(
+    module_state: dict[str, Any],
+    ours: dict[int, dict[int, _WrapperHook | None]],
+    on_paths: set[int],
+    views: dict[int, nn.Module],
+) -> dict[str, Any]:
+    """A shallow copy of a module's state with markers for the wrapper's hooks, children on
+    a path to a stage replaced by such copies too; tensors and other values are shared."""
+    plain: dict[str, Any] = {}
+    for key, value in module_state.items():
+        markers = ours.get(id(value))
+        if markers is not None:
+            value = type(value)(
+                (k, markers.get(k, v))
+                for k, v in value.items()
+                if k not in markers or markers[k] is not None
+            )
+        plain[key] = value
+    children = plain.get("_modules")
+    if isinstance(children, dict):
+        plain["_modules"] = type(children)(
+            (name, _plain_view(child, ours, on_paths, views) if id(child) in on_paths else child)
+            for name, child in children.items()
+        )
+    return plain
+
+
+def _plain_view(
+    module: nn.Module,
+    ours: dict[int, dict[int, _WrapperHook | None]],
+    on_paths: set[int],
+    views: dict[int, nn.Module],
+) -> nn.Module:
+    """A new object of ``module``'s class sharing its tensors, with markers for hooks.
+
+    Only ever pickled, never run; one per module, so a module registered twice stays one.
+    """
+    view = views.get(id(module))
+    if view is None:
+        cls = type(module)
+        view = views[id(module)] = cls.__new__(cls)
+        view.__dict__.update(_plain_copy_of(vars(module), ours, on_paths, views))
+    return view
+
+
+def _new_instance(cls: type[nn.Module]) -> nn.Module:
+    """An empty instance of the original class; its state is set by :func:`_restore`."""
+    return cls.__new__(cls)
+
+
+def _restore(model: nn.Module, payload: tuple[dict[str, Any], WrapOptions]) -> None:
+    """Load the plain state into ``model`` and wrap it again (or let it fall back)."""
+    plain_state, options = payload
+    model.__setstate__(plain_state)  # type: ignore[no-untyped-call]  # untyped in torch
+    _wrap_again(
+        model,
+        options,
+        "unpickled",
+        "loaded from a pickle of a wrapped model and wrapped again with the same options",
+    )
+
+
+def _wrap_again(model: nn.Module, options: WrapOptions, reason: str, message: str) -> None:
+    """Take the markers out, wrap ``model`` as ``options`` say, put the new hooks in the
+    markers' places and note where the model came from; or leave it plain (a fallback)."""
+    marked = _take_markers(model)
+    _skip_loaded_hook_ids(model)
+    _wrap(model, options)
+    state = _wrapped.get(model)
+    if state is None:
+        return
+    for hooks, order in marked:
+        _reorder(hooks, order, state.handles)
+    state.log.add(OOOEvent(EventKind.ENABLED, reason, message), level=logging.DEBUG)
+
+
+def _take_markers(model: nn.Module) -> list[tuple[Hooks, list[Any]]]:
+    """Remove every marker; return each dict that had one, with its keys in order (the
+    markers themselves standing for the wrapper's hooks)."""
+    marked = []
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, dict) and any(isinstance(v, _WrapperHook) for v in value.values()):
+                order = [v if isinstance(v, _WrapperHook) else k for k, v in value.items()]
+                for key in [k for k, v in value.items() if isinstance(v, _WrapperHook)]:
+                    del value[key]
+                marked.append((value, order))
+    return marked
+
+
+def _skip_loaded_hook_ids(model: nn.Module) -> None:
+    """Move the hook id counter past every id in ``model``'s dicts.
+
+    Unpickling in a fresh process brings hook ids the counter there never handed out; a
+    new hook could get one of them and silently replace a user hook in the same dict.
+    """
+    highest = -1
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, dict):
+                highest = max(highest, max((k for k in value if type(k) is int), default=-1))
+    RemovableHandle.next_id = max(RemovableHandle.next_id, highest + 1)
+
+
+def _reorder(hooks: Hooks, order: list[Any], handles: list[RemovableHandle]) -> None:
+    """Put the new wrapper hooks where the markers were in ``order``, if they match."""
+    keys = []
+    for item in order:
+        if isinstance(item, _WrapperHook):
+            if item.index >= len(handles) or handles[item.index].hooks_dict_ref() is not hooks:
+                return  # planned differently this time: keep the order registration gave
+            keys.append(handles[item.index].id)
+        else:
+            keys.append(item)
+    for key in keys:
+        if key in hooks:
+            hooks[key] = hooks.pop(key)  # to the end, in order

@@ -1,0 +1,70 @@
+"""Model factories for the command-line tests: ``tests.cli_factories:<name>``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+NOT_CALLABLE = 42
+
+
+def returns_tensor() -> torch.Tensor:
+    return torch.zeros(1)
+
+
+def raises() -> nn.Module:
+    raise ValueError("factory failed\non purpose")
+
+
+def single_stage() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4))
+
+
+def already_wrapped() -> nn.Module:
+    from ooo_wrap import OOOModule
+    from ooo_wrap.testing import SimulatedBackend
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    return OOOModule(model, streams=1, backend=SimulatedBackend())  # type: ignore[no-any-return]
+
+
+class TokensAndFeatures(nn.Module):
+    """Two inputs of different dtypes: token ids (int64) and features (float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.small = nn.Embedding(20, 16)
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens) + self.small(tokens) + self.proj(features).unsqueeze(1)
+
+
+class Box:
+    """A tensor holder that is no tuple, list, dict or dataclass: the scheduler cannot see
+    inside it, so it cannot protect the tensor's memory for the caller's stream."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class BoxedStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Box:
+        return Box(self.linear(x))
+
+
+class Leaky(nn.Module):
+    """Two stages whose outputs reach the caller inside a :class:`Box`: a race finding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = BoxedStage()
+        self.right = BoxedStage()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.left(x).tensor * self.right(x).tensor

@@ -1,0 +1,43 @@
+"""``WrapOptions``: the wrap's keyword options as frozen, self-checking data."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch import nn
+
+import ooo_wrap
+from ooo_wrap._options import WrapOptions
+from ooo_wrap._wrap import _wrapped
+from ooo_wrap.testing import SimulatedBackend
+
+
+def test_defaults_and_normalisation() -> None:
+    assert WrapOptions() == WrapOptions(4, None, None, False)
+    options = WrapOptions(2, ["a", "b"])
+    assert options.stages == ("a", "b")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.streams = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"streams": 0}, "streams must be a positive int"),
+        ({"streams": True}, "streams must be a positive int"),
+        ({"stages": "enc"}, "did you mean \\['enc'\\]"),
+        ({"stages": ["enc", 3]}, "sequence of dotted module names"),
+        ({"profile_ranges": "yes"}, "profile_ranges must be True or False"),
+    ],
+)
+def test_bad_options_raise_config_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ooo_wrap.OOOConfigError, match=message):
+        WrapOptions(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_wrap_state_keeps_the_options() -> None:
+    backend = SimulatedBackend()
+    model = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
+    ooo_wrap.OOOModule(model, 3, stages=["b", "a"], backend=backend, profile_ranges=True)
+    assert _wrapped[model].options == WrapOptions(3, ("b", "a"), backend, True)
