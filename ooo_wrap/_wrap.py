@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from ._backend import AcceleratorBackend, Backend
@@ -34,6 +35,7 @@ class _WrapState:
 
     plan: Plan
     original_class: type[nn.Module]
+    wrapped_class: type[nn.Module]
     scheduler: Scheduler
     handles: list[RemovableHandle]
     log: EventLog
@@ -115,7 +117,9 @@ class OOOModule(nn.Module):
         pass
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        if not cls.__dict__.get("_ooo_dynamic", False):
+        # Allowed: our own cached OOO<Cls>, and a subclass of one made by another in-place
+        # wrapper applied after us (fully_shard(model) swaps the class to FSDP<OOO<Cls>>).
+        if not any(base.__dict__.get("_ooo_dynamic", False) for base in cls.__mro__):
             raise TypeError(
                 "OOOModule is not subclassed; wrap an instance instead: OOOModule(model)"
             )
@@ -145,10 +149,23 @@ class OOOModule(nn.Module):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Undo :class:`OOOModule` on ``model`` (in place) and return it; a no-op if not wrapped."""
-    state = _wrapped.pop(model, None)
+    """Undo :class:`OOOModule` on ``model`` (in place) and return it; a no-op if not wrapped.
+
+    Raises:
+        OOOConfigError: another in-place wrapper (e.g. ``fully_shard``) swapped the class
+            again after wrapping; restoring ours would silently drop that wrapper's class.
+    """
+    state = _wrapped.get(model)
     if state is None:
         return model
+    if type(model) is not state.wrapped_class:
+        raise OOOConfigError(
+            f"cannot unwrap this {type(model).__name__}: its class was swapped again after "
+            f"wrapping (by an in-place wrapper such as fully_shard); restoring "
+            f"{state.original_class.__name__} would drop that wrapper. Unwrap before "
+            "applying it, or apply it first and OOOModule last"
+        )
+    del _wrapped[model]
     for handle in state.handles:
         handle.remove()
     model.__class__ = state.original_class
@@ -210,6 +227,14 @@ def _wrap(
             "to wrap it again with other options"
         )
     check_streams(streams)
+    if isinstance(model, DistributedDataParallel):
+        # Wrapping inside DDP keeps stage names, ooo_stage_names and the plan the model's
+        # own (no "module." prefix) and is the order tested on every DDP mode; one order
+        # with one clear error beats two that differ subtly.
+        raise OOOConfigError(
+            "OOOModule got a DistributedDataParallel; wrap the model first, then DDP: "
+            "model = DistributedDataParallel(ooo_wrap.OOOModule(model, ...), ...)"
+        )
     if is_compiled_module(model):
         return record_fallback(model, "compiled", warn=True)
     if isinstance(model, torch.jit.ScriptModule):
@@ -238,10 +263,13 @@ def _install(model: nn.Module, the_plan: Plan, backend: Backend) -> nn.Module:
         counters = Counters()
         scheduler = Scheduler(the_plan, streams, backend, log, counters)
         scheduler.install(model, handles)
-        model.__class__ = _wrapped_class(model, original_class)
+        wrapped_class = _wrapped_class(model, original_class)
+        model.__class__ = wrapped_class
         if _names(model) != names_before:  # the contract: wrapping renames nothing
             raise RuntimeError("parameter or buffer names changed while wrapping")
-        _wrapped[model] = _WrapState(the_plan, original_class, scheduler, handles, log, counters)
+        _wrapped[model] = _WrapState(
+            the_plan, original_class, wrapped_class, scheduler, handles, log, counters
+        )
     except Exception as error:
         for handle in handles:
             handle.remove()
