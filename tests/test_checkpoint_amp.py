@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
-from ooo_wrap.testing import SimulatedBackend
+from ooo_wrap.testing import SimulatedBackend, check
 from ooo_wrap.testing._simulated import DEFAULT_STREAM
 
 STEPS = 3
@@ -175,3 +175,18 @@ def test_autocast_and_grad_scaler_loop_keeps_bitwise_parity() -> None:
     assert scales[2] < scales[1]  # the inf step was skipped and the scale backed off
     assert dtypes == expected_dtypes == [torch.bfloat16] * 4
     assert wrapped.stats.stage_calls == 2 * 4
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_checkpointed_model_passes_the_race_check(where: str, use_reentrant: bool) -> None:
+    # The recomputation runs in backward: every op of it must still be ordered on the
+    # virtual streams (vector clocks), with record_stream where tensors cross streams.
+    report = check(Net(where, use_reentrant), torch.randn(5, 12), streams=2)
+    assert report.ok, str(report)
+
+
+def test_autocast_model_passes_the_race_check() -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = check(Mixed(), torch.randn(5, 12), streams=2)
+    assert report.ok, str(report)
