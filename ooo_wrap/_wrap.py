@@ -35,7 +35,6 @@ class _WrapState:
 
     plan: Plan
     original_class: type[nn.Module]
-    wrapped_class: type[nn.Module]
     scheduler: Scheduler
     handles: list[RemovableHandle]
     log: EventLog
@@ -89,8 +88,9 @@ class OOOModule(nn.Module):
         ``model`` itself, wrapped or untouched.
 
     Raises:
-        OOOConfigError: ``model`` is not a module or is already wrapped, ``streams`` is not
-            a positive int, or a stage name is unknown, repeated, the root or overlapping.
+        OOOConfigError: ``model`` is not a module, is already wrapped or is a
+            ``DistributedDataParallel`` (wrap first, then DDP), ``streams`` is not a
+            positive int, or a stage name is unknown, repeated, the root or overlapping.
 
     Example::
 
@@ -143,7 +143,8 @@ class OOOModule(nn.Module):
     def unwrap(self) -> nn.Module:
         """Remove every hook and restore the model's class; returns the plain model.
 
-        Calling it again (or on a model that is not wrapped) does nothing.
+        Calling it again (or on a model that is not wrapped) does nothing. Raises
+        :class:`OOOConfigError` if ``fully_shard(model)`` was applied after wrapping.
         """
         return unwrap(self)
 
@@ -158,7 +159,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     state = _wrapped.get(model)
     if state is None:
         return model
-    if type(model) is not state.wrapped_class:
+    if not type(model).__dict__.get("_ooo_dynamic", False):  # e.g. now FSDP<OOO<Cls>>
         raise OOOConfigError(
             f"cannot unwrap this {type(model).__name__}: its class was swapped again after "
             f"wrapping (by an in-place wrapper such as fully_shard); restoring "
@@ -263,13 +264,10 @@ def _install(model: nn.Module, the_plan: Plan, backend: Backend) -> nn.Module:
         counters = Counters()
         scheduler = Scheduler(the_plan, streams, backend, log, counters)
         scheduler.install(model, handles)
-        wrapped_class = _wrapped_class(model, original_class)
-        model.__class__ = wrapped_class
+        model.__class__ = _wrapped_class(model, original_class)
         if _names(model) != names_before:  # the contract: wrapping renames nothing
             raise RuntimeError("parameter or buffer names changed while wrapping")
-        _wrapped[model] = _WrapState(
-            the_plan, original_class, wrapped_class, scheduler, handles, log, counters
-        )
+        _wrapped[model] = _WrapState(the_plan, original_class, scheduler, handles, log, counters)
     except Exception as error:
         for handle in handles:
             handle.remove()

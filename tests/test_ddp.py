@@ -25,7 +25,10 @@ MODES: dict[str, tuple[dict[str, bool], Any]] = {
     "find_unused_parameters": ({"find_unused_parameters": True}, lambda step: step % 2 == 0),
     # static_graph needs the same graph every step; ``extra`` never runs (unused, constant).
     "static_graph": ({"static_graph": True}, lambda step: False),
+    # torch.compile over DDP over the wrapped model: stages run inline (one BYPASSED event).
+    "compiled": ({}, lambda step: True),
 }
+EAGER_MODES = [mode for mode in MODES if mode != "compiled"]
 
 
 class Branches(nn.Module):
@@ -53,8 +56,10 @@ def _train(model: nn.Module, mode: str, rank: int, device: torch.device) -> list
     """A few SGD steps on rank-specific data; the gradients and parameters of each step."""
     kwargs, uses_extra = MODES[mode]
     device_ids = [device.index] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+    ddp: nn.Module = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    if mode == "compiled":
+        ddp = torch.compile(ddp, backend="aot_eager")
     history = []
     for step in range(STEPS):
         generator = torch.Generator().manual_seed(1000 * rank + step)
@@ -128,18 +133,30 @@ def test_wrapped_ddp_gradients_identical_on_both_ranks(
     assert any(g is not None and g.abs().sum() > 0 for g in first[0]["grads"].values())
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", EAGER_MODES)
 def test_wrapped_ddp_ran_stages_on_side_streams(ranks: list[dict[str, Any]], mode: str) -> None:
     _, uses_extra = MODES[mode]
     calls = sum(3 if uses_extra(step) else 2 for step in range(STEPS))
     for rank_results in ranks:
         runs = rank_results[mode]
         assert runs["class"] == "OOOBranches"
-        assert runs["events"] == [(ooo_wrap.EventKind.ENABLED, "simulated")]
         assert runs["stages"] == ["left", "right", "extra"]
+        assert runs["events"] == [(ooo_wrap.EventKind.ENABLED, "simulated")]
         assert runs["stats"].forwards == STEPS
         assert runs["stats"].stage_calls == calls
         assert runs["stats"].bypasses == 0
+
+
+def test_compiled_ddp_runs_stages_inline_with_one_bypassed_event(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank_results in ranks:
+        runs = rank_results["compiled"]
+        assert runs["events"] == [
+            (ooo_wrap.EventKind.ENABLED, "simulated"),
+            (ooo_wrap.EventKind.BYPASSED, "compiling"),
+        ]
+        assert (runs["stats"].stage_calls, runs["stats"].bypasses) == (0, 3 * STEPS)
 
 
 def test_unused_head_gets_no_gradient_with_find_unused_parameters(

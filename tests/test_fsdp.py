@@ -191,3 +191,22 @@ def test_fsdp_orders_on_gpus_match_plain_fsdp() -> None:
                 # Same kernels on other streams; allow the last-bit freedom cuBLAS has.
                 torch.testing.assert_close(wrapped_step["grads"], plain_step["grads"])
                 torch.testing.assert_close(wrapped_step["params"], plain_step["params"])
+
+
+def test_a_later_in_place_wrapper_can_subclass_a_wrapped_class() -> None:
+    # What fully_shard(model) does to a wrapped model, without a process group.
+    model = ooo_wrap.OOOModule(Branches(), streams=2, backend=SimulatedBackend())
+    wrapped_class = type(model)
+    later = type(f"Later{wrapped_class.__name__}", (_Marker, wrapped_class), {})
+    model.__class__ = later
+    model(torch.randn(2, 8)).sum().backward()  # the hooks still run
+    assert model.stats.stage_calls == 3
+    with pytest.raises(ooo_wrap.OOOConfigError, match="cannot unwrap this LaterOOOBranches"):
+        model.unwrap()
+    assert type(model) is later and isinstance(model, ooo_wrap.OOOModule)  # left as it was
+    model.__class__ = wrapped_class  # the later wrapper undone: unwrap works again
+    assert type(model.unwrap()) is Branches
+
+
+class _Marker:
+    """Stands in for ``FSDPModule`` in the class a later in-place wrapper creates."""
