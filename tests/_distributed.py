@@ -33,20 +33,13 @@ def _entry(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
-    port: int,
     out: str,
     backend: str,
     args: tuple[Any, ...],
 ) -> None:
     result_path = Path(out) / f"rank{rank}.pt"
     try:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-        )
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         torch.set_num_threads(1)  # two ranks on two cores: no oversubscription
         import ooo_wrap
 
@@ -54,7 +47,9 @@ def _entry(
         assert Path(ooo_wrap.__file__).resolve().is_relative_to(REPO_ROOT), ooo_wrap.__file__
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        # A file rendezvous: no TCP port to pick, so no race with other jobs for one.
+        store = f"file://{Path(out) / 'rendezvous'}"
+        dist.init_process_group(backend, init_method=store, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -81,7 +76,6 @@ def run_ranks(
     if a rank fails, or if the ranks are not done within ``timeout`` seconds.
     """
     context = multiprocessing.get_context("spawn")
-    port = free_port()
     with tempfile.TemporaryDirectory() as out:
         # Spawned children get this process's sys.path; PYTHONPATH covers anything they
         # start themselves, so every process imports this checkout of ooo_wrap.
@@ -91,7 +85,7 @@ def run_ranks(
             procs = [
                 context.Process(
                     target=_entry,
-                    args=(fn, rank, world_size, port, out, backend, args),
+                    args=(fn, rank, world_size, out, backend, args),
                 )
                 for rank in range(world_size)
             ]
