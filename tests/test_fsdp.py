@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) and OOOModule in every order: two gloo ranks on the CPU.
 
-All four orders train with gradients bitwise equal to the same ``fully_shard`` layout
-over the plain model. One spawn runs every order (``_fsdp_worker``); the tests check it.
+All six orders (shard the stages, the root or both; before or after wrapping) train with
+gradients bitwise equal to the same ``fully_shard`` layout over the plain model. One spawn runs every order (``_fsdp_worker``); the tests check it.
 The same worker runs on GPUs with NCCL and the real streams in the ``cuda`` test.
 """
 
@@ -52,8 +52,10 @@ def _shard_all(model: nn.Module) -> None:
 # order -> (shard before wrapping?, how to shard)
 ORDERS: dict[str, tuple[bool, Callable[[nn.Module], None]]] = {
     "shard_stages_then_wrap": (True, _shard_stages),
+    "shard_root_then_wrap": (True, fully_shard),
     "shard_all_then_wrap": (True, _shard_all),
     "wrap_then_shard_stages": (False, _shard_stages),
+    "wrap_then_shard_root": (False, fully_shard),
     "wrap_then_shard_all": (False, _shard_all),
 }
 
@@ -146,8 +148,8 @@ def test_fsdp_order_keeps_stages_on_side_streams(ranks: list[dict[str, Any]], or
     assert result["events"][0] == (ooo_wrap.EventKind.ENABLED, "simulated")
     assert result["stats"].stage_calls == 3 * STEPS
     assert result["stats"].bypasses == 0
-    assert result["stage_is_fsdp"]
-    assert result["is_fsdp"] == ("_all" in order)
+    assert result["stage_is_fsdp"] == ("_root" not in order)
+    assert result["is_fsdp"] == ("_stages" not in order)
 
 
 def test_fsdp_class_order_follows_wrap_order(ranks: list[dict[str, Any]]) -> None:
@@ -167,12 +169,16 @@ def test_fsdp_class_order_follows_wrap_order(ranks: list[dict[str, Any]]) -> Non
 
 def test_unwrap_restores_the_fsdp_class_when_fsdp_came_first(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["shard_all_then_wrap"]["unwrapped"] == ("FSDPBranches", True)
+    assert ranks[0]["shard_root_then_wrap"]["unwrapped"] == ("FSDPBranches", True)
     assert ranks[0]["shard_stages_then_wrap"]["unwrapped"] == ("Branches", False)
     assert ranks[0]["wrap_then_shard_stages"]["unwrapped"] == ("Branches", False)
 
 
-def test_unwrap_after_fully_shard_of_the_root_refuses_clearly(ranks: list[dict[str, Any]]) -> None:
-    result = ranks[0]["wrap_then_shard_all"]
+@pytest.mark.parametrize("order", ["wrap_then_shard_root", "wrap_then_shard_all"])
+def test_unwrap_after_fully_shard_of_the_root_refuses_clearly(
+    ranks: list[dict[str, Any]], order: str
+) -> None:
+    result = ranks[0][order]
     assert "cannot unwrap this FSDPOOOBranches" in result["unwrap_error"]
     assert "Unwrap before applying it" in result["unwrap_error"]
     assert result["still_wrapped"]
