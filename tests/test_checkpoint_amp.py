@@ -70,13 +70,13 @@ def _state(model: nn.Module) -> list[torch.Tensor]:
     return [t.detach().clone() for p in model.parameters() for t in (p, p.grad) if t is not None]
 
 
-def _train_checkpointed(model: nn.Module, seed: int) -> list[torch.Tensor]:
+def _train_checkpointed(model: nn.Module, seed: int, device: str = "cpu") -> list[torch.Tensor]:
     torch.manual_seed(seed)  # same dropout masks for both models
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     seen: list[torch.Tensor] = []
     for _ in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
-        out = model(torch.randn(5, 12))
+        out = model(torch.randn(5, 12).to(device))
         out.square().mean().backward()
         seen += [out.detach().clone(), *_state(model)]
         optimizer.step()
@@ -135,20 +135,22 @@ class Mixed(nn.Module):
         return self.a(x) + self.b(x)
 
 
-def _amp_loop(model: nn.Module) -> tuple[list[torch.Tensor], list[float], list[torch.dtype]]:
+def _amp_loop(
+    model: nn.Module, device: str = "cpu"
+) -> tuple[list[torch.Tensor], list[float], list[torch.dtype]]:
     """The usual loop: autocast forward, scaled backward, scaler.step / update."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
     seen: list[torch.Tensor] = []
     scales: list[float] = []
     dtypes: list[torch.dtype] = []
     generator = torch.Generator().manual_seed(3)
     for step in range(4):
-        x = torch.randn(6, 12, generator=generator)
+        x = torch.randn(6, 12, generator=generator).to(device)
         if step == 2:
             x[0, 0] = float("inf")  # an overflow: the scaler must skip this step
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             out = model(x)
             loss = out.float().square().mean()
         dtypes.append(out.dtype)
@@ -190,3 +192,30 @@ def test_autocast_model_passes_the_race_check() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         report = check(Mixed(), torch.randn(5, 12), streams=2)
     assert report.ok, str(report)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_checkpoint_on_gpu_matches_plain(where: str) -> None:
+    torch.manual_seed(0)
+    plain = Net(where).cuda()
+    torch.manual_seed(0)
+    wrapped = ooo_wrap.OOOModule(Net(where).cuda(), streams=2)
+    assert wrapped.events[-1].kind is ooo_wrap.EventKind.ENABLED
+    expected = _train_checkpointed(plain, seed=1, device="cuda")
+    got = _train_checkpointed(wrapped, seed=1, device="cuda")
+    torch.testing.assert_close(got, expected)
+    assert wrapped.stats.failures == 0
+
+
+@pytest.mark.cuda
+def test_autocast_and_grad_scaler_on_gpu_match_plain() -> None:
+    torch.manual_seed(0)
+    plain = Mixed().cuda()
+    torch.manual_seed(0)
+    wrapped = ooo_wrap.OOOModule(Mixed().cuda(), streams=2)
+    assert wrapped.events[-1].kind is ooo_wrap.EventKind.ENABLED
+    expected, expected_scales, _ = _amp_loop(plain, "cuda")
+    got, scales, _ = _amp_loop(wrapped, "cuda")
+    torch.testing.assert_close(got, expected, equal_nan=True)
+    assert scales == expected_scales

@@ -143,3 +143,19 @@ def test_compiled_wrapped_matches_compiled_plain_inductor() -> None:
     # The same graph compiles to the same kernels, so equality is exact here too.
     _assert_bitwise(got, expected)
     assert wrapped.stats.bypasses == 2 * STAGES
+
+
+@pytest.mark.cuda
+def test_compiled_wrapped_on_gpu_matches_compiled_plain() -> None:
+    plain, wrapped = _pair()
+    plain.cuda()
+    wrapped = ooo_wrap.OOOModule(wrapped.unwrap().cuda(), streams=2)  # real streams
+    assert wrapped.events[-1].kind is ooo_wrap.EventKind.ENABLED
+    batches = [torch.randn(4, 8, device="cuda") for _ in range(2)]
+    expected = _train(plain, torch.compile(plain), batches)
+    got = _train(wrapped, torch.compile(wrapped), batches)
+    for a, b in zip(got, expected, strict=True):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        torch.testing.assert_close(a, b)
+    (event,) = [e for e in wrapped.events if e.kind is ooo_wrap.EventKind.BYPASSED]
+    assert (event.reason, event.count) == ("compiling", 2 * STAGES)

@@ -1,8 +1,9 @@
 """FSDP2 (``fully_shard``) and OOOModule in every order: two gloo ranks on the CPU.
 
 All six orders (shard the stages, the root or both; before or after wrapping) train with
-gradients bitwise equal to the same ``fully_shard`` layout over the plain model. One spawn runs every order (``_fsdp_worker``); the tests check it.
-The same worker runs on GPUs with NCCL and the real streams in the ``cuda`` test.
+gradients bitwise equal to the same ``fully_shard`` layout over the plain model. One
+spawn runs every order (``_fsdp_worker``); the tests check its results. The same worker
+runs on GPUs with NCCL and the real streams in the ``cuda`` test.
 """
 
 from __future__ import annotations
