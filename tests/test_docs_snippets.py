@@ -3,7 +3,8 @@
 A block counts when any heading above it (at its level or an outer one) starts with
 "Using with". Blocks that call ``init_process_group`` run as two gloo ranks in fresh
 processes with the environment torchrun sets; the others run in this process, each in a
-fresh namespace. Add a markdown file to ``DOCS`` (the README, say) to run its snippets too.
+fresh namespace. Add a markdown file to ``DOCS`` (the README, say) to run its snippets too;
+write interactive examples (``>>>``) there as ``pycon`` or ``text`` blocks, not ``python``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def using_with_snippets(markdown: str) -> list[tuple[str, str]]:
                 block.append(line)
             continue
         if _FENCE.match(line):
-            block, language = [], line.strip()[3:].strip().lower()
+            info = line.strip()[3:].split()  # "```python title=x" -> python
+            block, language = [], info[0].lower() if info else ""
             continue
         heading = _HEADING.match(line)
         if heading:
@@ -192,7 +194,7 @@ def test_snippet_extraction_follows_headings() -> None:
             "not_under_using_with = 1",
             "```",
             "## Using with X",
-            "```python",
+            "```Python title=a.py",
             "a = 1",
             "```",
             "```bash",
