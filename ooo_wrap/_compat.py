@@ -1,4 +1,4 @@
-"""The one place ooo_wrap relies on a private PyTorch name."""
+"""The one place ooo_wrap relies on private PyTorch names."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 from torch import nn
 
-__all__ = ["is_compiled_module"]
+__all__ = ["is_checkpoint_early_stop", "is_compiled_module"]
 
 
 def is_compiled_module(model: nn.Module) -> bool:
@@ -19,3 +19,16 @@ def is_compiled_module(model: nn.Module) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None)
     return optimized is not None and isinstance(model, optimized)
+
+
+def is_checkpoint_early_stop(error: BaseException) -> bool:
+    """Whether ``error`` is how non-reentrant ``torch.utils.checkpoint`` ends a recomputation.
+
+    Once backward has every tensor it needs, checkpoint stops recomputing by raising the
+    private ``torch.utils.checkpoint._StopRecomputationError`` through the module being
+    recomputed (a stage, when checkpoint wraps one) and catching it itself: control flow,
+    not a stage failure. If the module was never imported, no checkpoint is running.
+    """
+    checkpoint = sys.modules.get("torch.utils.checkpoint")
+    stop = getattr(checkpoint, "_StopRecomputationError", None)
+    return stop is not None and isinstance(error, stop)

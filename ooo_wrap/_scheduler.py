@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._backend import Backend, Stream
+from ._compat import is_checkpoint_early_stop
 from ._errors import OOOError
 from ._events import EventKind, EventLog, OOOEvent
 from ._plan import Plan, Stage
@@ -262,7 +263,12 @@ class Scheduler:
             self._counters.joins += 1
             self._counters.record_streams += recorded
         error = sys.exc_info()[1]
-        if error is not None and error is not frame.outer_exception:
+        # A checkpoint that stops recomputing early raises through the stage on purpose.
+        if (
+            error is not None
+            and error is not frame.outer_exception
+            and not is_checkpoint_early_stop(error)
+        ):
             self._counters.failures += 1
             self._events.add(
                 OOOEvent(

@@ -11,6 +11,7 @@ from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from ._backend import AcceleratorBackend, Backend
@@ -93,8 +94,9 @@ class OOOModule(nn.Module):
         ``model`` itself, wrapped or untouched.
 
     Raises:
-        OOOConfigError: ``model`` is not a module or is already wrapped, ``streams`` is not
-            a positive int, ``profile_ranges`` is not a bool, or a stage name is unknown,
+        OOOConfigError: ``model`` is not a module, is already wrapped or is a
+            ``DistributedDataParallel`` (wrap first, then DDP), ``streams`` is not a
+            positive int, ``profile_ranges`` is not a bool, or a stage name is unknown,
             repeated, the root or overlapping.
 
     Example::
@@ -124,7 +126,9 @@ class OOOModule(nn.Module):
         pass
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        if not cls.__dict__.get("_ooo_dynamic", False):
+        # Allowed: our own cached OOO<Cls>, and a subclass of one made by another in-place
+        # wrapper applied after us (fully_shard(model) swaps the class to FSDP<OOO<Cls>>).
+        if not any(base.__dict__.get("_ooo_dynamic", False) for base in cls.__mro__):
             raise TypeError(
                 "OOOModule is not subclassed; wrap an instance instead: OOOModule(model)"
             )
@@ -148,7 +152,8 @@ class OOOModule(nn.Module):
     def unwrap(self) -> nn.Module:
         """Remove every hook and restore the model's class; returns the plain model.
 
-        Calling it again (or on a model that is not wrapped) does nothing.
+        Calling it again (or on a model that is not wrapped) does nothing. Raises
+        :class:`OOOConfigError` if ``fully_shard(model)`` was applied after wrapping.
         """
         return unwrap(self)
 
@@ -172,10 +177,23 @@ class OOOModule(nn.Module):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Undo :class:`OOOModule` on ``model`` (in place) and return it; a no-op if not wrapped."""
-    state = _wrapped.pop(model, None)
+    """Undo :class:`OOOModule` on ``model`` (in place) and return it; a no-op if not wrapped.
+
+    Raises:
+        OOOConfigError: another in-place wrapper (e.g. ``fully_shard``) swapped the class
+            again after wrapping; restoring ours would silently drop that wrapper's class.
+    """
+    state = _wrapped.get(model)
     if state is None:
         return model
+    if not type(model).__dict__.get("_ooo_dynamic", False):  # e.g. now FSDP<OOO<Cls>>
+        raise OOOConfigError(
+            f"cannot unwrap this {type(model).__name__}: its class was swapped again after "
+            f"wrapping (by an in-place wrapper such as fully_shard); restoring "
+            f"{state.original_class.__name__} would drop that wrapper. Unwrap before "
+            "applying it, or apply it first and OOOModule last"
+        )
+    del _wrapped[model]
     for handle in state.handles:
         handle.remove()
     model.__class__ = state.original_class
@@ -233,6 +251,14 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
         raise OOOConfigError(
             f"this {type(model).__name__} is already wrapped; call model.unwrap() first "
             "to wrap it again with other options"
+        )
+    if isinstance(model, DistributedDataParallel):
+        # Wrapping inside DDP keeps stage names, ooo_stage_names and the plan the model's
+        # own (no "module." prefix) and is the order tested on every DDP mode; one order
+        # with one clear error beats two that differ subtly.
+        raise OOOConfigError(
+            "OOOModule got a DistributedDataParallel; wrap the model first, then DDP: "
+            "model = DistributedDataParallel(ooo_wrap.OOOModule(model, ...), ...)"
         )
     if is_compiled_module(model):
         return record_fallback(model, "compiled", warn=True)

@@ -1,0 +1,221 @@
+"""Activation checkpointing inside and around a stage, and an autocast + GradScaler loop:
+bitwise parity with the plain model (same CPU kernels in the same order; virtual streams
+change no arithmetic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ooo_wrap
+from ooo_wrap.testing import SimulatedBackend, check
+from ooo_wrap.testing._simulated import DEFAULT_STREAM
+
+STEPS = 3
+
+
+class Tower(nn.Module):
+    """A stage whose body may be checkpointed from inside its own forward."""
+
+    def __init__(self, inner_checkpoint: bool, use_reentrant: bool) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 8))
+        self.inner_checkpoint = inner_checkpoint
+        self.use_reentrant = use_reentrant
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.inner_checkpoint:
+            out: torch.Tensor = checkpoint(self.body, h, use_reentrant=self.use_reentrant)
+            return out
+        return self.body(h)
+
+
+class Net(nn.Module):
+    """stem -> (left, right): three stages; ``where`` says what is checkpointed.
+
+    ``"inside"``: ``left`` checkpoints its own body; ``"around"``: the parent checkpoints
+    the whole ``left`` stage call, so its hooks run again in backward; ``"none"``: neither.
+    Dropout makes the recomputation depend on the RNG state checkpoint restores.
+    """
+
+    def __init__(self, where: str = "none", use_reentrant: bool = False) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(12, 16), nn.ReLU())
+        self.left = Tower(where == "inside", use_reentrant)
+        self.right = Tower(False, use_reentrant)
+        self.where = where
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        if self.where == "around":
+            left: torch.Tensor = checkpoint(self.left, h, use_reentrant=self.use_reentrant)
+        else:
+            left = self.left(h)
+        return left * self.right(h)
+
+
+def _pair(where: str, use_reentrant: bool) -> tuple[nn.Module, nn.Module, SimulatedBackend]:
+    torch.manual_seed(0)
+    plain = Net(where, use_reentrant)
+    torch.manual_seed(0)
+    backend = SimulatedBackend()
+    wrapped = ooo_wrap.OOOModule(Net(where, use_reentrant), streams=2, backend=backend)
+    return plain, wrapped, backend
+
+
+def _state(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for p in model.parameters() for t in (p, p.grad) if t is not None]
+
+
+def _train_checkpointed(model: nn.Module, seed: int, device: str = "cpu") -> list[torch.Tensor]:
+    torch.manual_seed(seed)  # same dropout masks for both models
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[torch.Tensor] = []
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        out = model(torch.randn(5, 12).to(device))
+        out.square().mean().backward()
+        seen += [out.detach().clone(), *_state(model)]
+        optimizer.step()
+    return seen
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_checkpoint_keeps_bitwise_parity(where: str, use_reentrant: bool) -> None:
+    plain, wrapped, backend = _pair(where, use_reentrant)
+    expected = _train_checkpointed(plain, seed=1)
+    got = _train_checkpointed(wrapped, seed=1)
+    assert len(got) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    # Checkpointing around a stage re-runs its forward (and so its hooks) in backward,
+    # on a side stream again; inside one, only the stage's body is recomputed.
+    recomputed = STEPS if where == "around" else 0
+    stats = wrapped.stats
+    assert (stats.forwards, stats.stage_calls) == (STEPS, 3 * STEPS + recomputed)
+    assert stats.bypasses == stats.failures == 0
+    # Every stream switch, recomputation included, was undone.
+    assert backend.current_stream() == DEFAULT_STREAM
+    assert ooo_wrap.events_for(wrapped)[-1].kind is ooo_wrap.EventKind.ENABLED
+
+
+def _switches(backend: SimulatedBackend) -> list[object]:
+    return [call.stream for call in backend.log if call.op == "set_stream"]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointed_stage_recomputes_on_its_side_stream(use_reentrant: bool) -> None:
+    _plain, wrapped, backend = _pair("around", use_reentrant)
+    backend.clear_log()
+    out = wrapped(torch.randn(5, 12))
+    # Forward: stem, left, right, each switched to and back.
+    stem, _, left, _, right, _ = _switches(backend)
+    assert stem == right != left != DEFAULT_STREAM
+    backend.clear_log()
+    out.sum().backward()
+    assert _switches(backend) == [left, DEFAULT_STREAM]  # only the recomputed stage
+    # Non-reentrant checkpoint stops recomputing early by raising through the stage: that
+    # is control flow, not a failure, so no STAGE_FAILED event and no failure counted.
+    assert wrapped.stats.failures == 0
+    assert all(e.kind is not ooo_wrap.EventKind.STAGE_FAILED for e in wrapped.events)
+
+
+class Mixed(nn.Module):
+    """Two towers, one with a LayerNorm (autocast runs it in float32), summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(12, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+        self.b = nn.Sequential(nn.Linear(12, 32), nn.SiLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+def _amp_loop(
+    model: nn.Module, device: str = "cpu"
+) -> tuple[list[torch.Tensor], list[float], list[torch.dtype]]:
+    """The usual loop: autocast forward, scaled backward, scaler.step / update."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
+    seen: list[torch.Tensor] = []
+    scales: list[float] = []
+    dtypes: list[torch.dtype] = []
+    generator = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x = torch.randn(6, 12, generator=generator).to(device)
+        if step == 2:
+            x[0, 0] = float("inf")  # an overflow: the scaler must skip this step
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = model(x)
+            loss = out.float().square().mean()
+        dtypes.append(out.dtype)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        seen += [out.detach().clone(), *_state(model)]
+    return seen, scales, dtypes
+
+
+def test_autocast_and_grad_scaler_loop_keeps_bitwise_parity() -> None:
+    torch.manual_seed(0)
+    plain = Mixed()
+    torch.manual_seed(0)
+    wrapped = ooo_wrap.OOOModule(Mixed(), streams=2, backend=SimulatedBackend())
+    assert torch.amp.GradScaler("cpu").is_enabled()  # supported on the CPU: not a no-op
+    expected, expected_scales, expected_dtypes = _amp_loop(plain)
+    got, scales, dtypes = _amp_loop(wrapped)
+    # Bitwise; the overflow step's outputs and gradients hold inf/NaN in both models.
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert scales == expected_scales
+    assert scales[2] < scales[1]  # the inf step was skipped and the scale backed off
+    assert dtypes == expected_dtypes == [torch.bfloat16] * 4
+    assert wrapped.stats.stage_calls == 2 * 4
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_checkpointed_model_passes_the_race_check(where: str, use_reentrant: bool) -> None:
+    # The recomputation runs in backward: every op of it must still be ordered on the
+    # virtual streams (vector clocks), with record_stream where tensors cross streams.
+    report = check(Net(where, use_reentrant), torch.randn(5, 12), streams=2)
+    assert report.ok, str(report)
+
+
+def test_autocast_model_passes_the_race_check() -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = check(Mixed(), torch.randn(5, 12), streams=2)
+    assert report.ok, str(report)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_checkpoint_on_gpu_matches_plain(where: str) -> None:
+    torch.manual_seed(0)
+    plain = Net(where).cuda()
+    torch.manual_seed(0)
+    wrapped = ooo_wrap.OOOModule(Net(where).cuda(), streams=2)
+    assert wrapped.events[-1].kind is ooo_wrap.EventKind.ENABLED
+    expected = _train_checkpointed(plain, seed=1, device="cuda")
+    got = _train_checkpointed(wrapped, seed=1, device="cuda")
+    torch.testing.assert_close(got, expected)
+    assert wrapped.stats.failures == 0
+
+
+@pytest.mark.cuda
+def test_autocast_and_grad_scaler_on_gpu_match_plain() -> None:
+    torch.manual_seed(0)
+    plain = Mixed().cuda()
+    torch.manual_seed(0)
+    wrapped = ooo_wrap.OOOModule(Mixed().cuda(), streams=2)
+    assert wrapped.events[-1].kind is ooo_wrap.EventKind.ENABLED
+    expected, expected_scales, _ = _amp_loop(plain, "cuda")
+    got, scales, _ = _amp_loop(wrapped, "cuda")
+    torch.testing.assert_close(got, expected, equal_nan=True)
+    assert scales == expected_scales

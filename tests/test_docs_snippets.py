@@ -1,0 +1,213 @@
+"""Every ```python block under a "Using with ..." heading of the docs runs.
+
+A block counts when any heading above it (at its level or an outer one) starts with
+"Using with". Blocks that call ``init_process_group`` run as two gloo ranks in fresh
+processes with the environment torchrun sets; the others run in this process, each in a
+fresh namespace. Add a markdown file to ``DOCS`` (the README, say) to run its snippets too;
+write interactive examples (``>>>``) there as ``pycon`` or ``text`` blocks, not ``python``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _distributed import REPO_ROOT, free_port
+
+DOCS = [REPO_ROOT / "docs" / "using_with_part_a.md"]
+
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_FENCE = re.compile(r"^\s*```")
+
+
+def using_with_snippets(markdown: str) -> list[tuple[str, str]]:
+    """``(heading, code)`` of every ```python block under a heading starting "Using with"."""
+    found: list[tuple[str, str]] = []
+    headings: list[tuple[int, str]] = []  # the open headings, outermost first
+    block: list[str] | None = None
+    language = ""
+    for line in markdown.splitlines():
+        if block is not None:
+            if _FENCE.match(line):
+                section = next((h for _, h in headings if h.startswith("Using with")), None)
+                if language == "python" and section is not None:
+                    found.append((headings[-1][1], "\n".join(block) + "\n"))
+                block = None
+            else:
+                block.append(line)
+            continue
+        if _FENCE.match(line):
+            info = line.strip()[3:].split()  # "```python title=x" -> python
+            block, language = [], info[0].lower() if info else ""
+            continue
+        heading = _HEADING.match(line)
+        if heading:
+            level = len(heading.group(1))
+            headings = [(lv, h) for lv, h in headings if lv < level]
+            headings.append((level, heading.group(2)))
+    return found
+
+
+def _all_snippets() -> list[tuple[str, str]]:
+    return [
+        (f"{path.name}:{heading}", code)
+        for path in DOCS
+        for heading, code in using_with_snippets(path.read_text())
+    ]
+
+
+def _is_distributed(code: str) -> bool:
+    return "init_process_group" in code
+
+
+# Runs in each rank: every distributed snippet in turn, each in a fresh namespace and with
+# its own rendezvous port (a rank that finished the previous snippet early must not join
+# the previous store), then one line of results.
+_DRIVER = """
+import json, os, sys, traceback
+results = {}
+with open(sys.argv[1]) as file:
+    jobs = json.load(file)
+for name, code, port in jobs:
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+        results[name] = None
+    except BaseException:
+        results[name] = traceback.format_exc()
+    finally:  # a failed snippet must not leave its group to the next one
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def _run_two_ranks(
+    snippets: list[tuple[str, str]], tmp: Path, timeout: float = 120.0
+) -> list[dict[str, str | None]]:
+    """Run ``snippets`` as ranks 0 and 1 of a gloo job, as ``torchrun --nproc-per-node 2``.
+
+    Returns each rank's ``{snippet id: None, or the traceback it raised}``.
+    """
+    jobs = tmp / "snippets.json"
+    jobs.write_text(json.dumps([(name, code, free_port()) for name, code in snippets]))
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(
+                filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+            ),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _DRIVER, str(jobs)],
+                env=env,
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for out in outputs:
+        lines = [line for line in out.splitlines() if line.startswith("RESULTS ")]
+        assert lines, out
+        results.append(json.loads(lines[-1].removeprefix("RESULTS ")))
+    return results
+
+
+@pytest.fixture(scope="module")
+def distributed_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str | None]]:
+    snippets = [(n, c) for n, c in _all_snippets() if _is_distributed(c)]
+    results = _run_two_ranks(snippets, tmp_path_factory.mktemp("snippets"))
+    # A port picked free can be taken by another job before rank 0 listens on it:
+    # only that failure is retried, once, with fresh ports.
+    failures = " ".join(tb for rank in results for tb in rank.values() if tb)
+    if "EADDRINUSE" in failures or "address already in use" in failures.lower():
+        results = _run_two_ranks(snippets, tmp_path_factory.mktemp("snippets"))
+    return results
+
+
+@pytest.mark.parametrize("name", [n for n, c in _all_snippets() if _is_distributed(c)])
+def test_distributed_snippet_runs_on_two_ranks(
+    name: str, distributed_results: list[dict[str, str | None]]
+) -> None:
+    for rank_results in distributed_results:
+        assert rank_results[name] is None, rank_results[name]
+
+
+@pytest.mark.parametrize(
+    "code", [pytest.param(c, id=n) for n, c in _all_snippets() if not _is_distributed(c)]
+)
+def test_snippet_runs(code: str) -> None:
+    try:
+        exec(compile(code, "<snippet>", "exec"), {"__name__": "__snippet__"})
+    finally:
+        torch.compiler.reset()
+
+
+def test_every_doc_has_using_with_snippets() -> None:
+    for path in DOCS:
+        headings = [heading for heading, _ in using_with_snippets(path.read_text())]
+        assert headings, f"no python snippets under 'Using with' headings in {path}"
+    part_a = [h for h, _ in using_with_snippets(DOCS[0].read_text())]
+    assert part_a == [
+        "Using with DDP",
+        "Using with FSDP2",
+        "Using with torch.compile",
+        "Using with activation checkpointing",
+        "Using with AMP (autocast and GradScaler)",
+    ]
+
+
+def test_snippet_extraction_follows_headings() -> None:
+    markdown = "\n".join(
+        [
+            "# Title",
+            "```python",
+            "not_under_using_with = 1",
+            "```",
+            "## Using with X",
+            "```Python title=a.py",
+            "a = 1",
+            "```",
+            "```bash",
+            "echo not python",
+            "```",
+            "### Details",
+            "```python",
+            "b = 2",
+            "```",
+            "## Other",
+            "```python",
+            "c = 3",
+            "```",
+        ]
+    )
+    assert using_with_snippets(markdown) == [("Using with X", "a = 1\n"), ("Details", "b = 2\n")]
