@@ -80,10 +80,14 @@ def _time_forwards(model: nn.Module, x: torch.Tensor, calls: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(repeats: int = 30, calls: int = 200, warmup: int = 200) -> dict[str, float]:
+def measure(
+    repeats: int = 30, calls: int = 200, warmup: int = 200, *, profile_ranges: bool = False
+) -> dict[str, float]:
     """Median µs per forward (plain, wrapped) and µs added per stage call."""
     plain = Chain()
-    wrapped = ooo_wrap.OOOModule(copy.deepcopy(plain), backend=NullBackend())
+    wrapped = ooo_wrap.OOOModule(
+        copy.deepcopy(plain), backend=NullBackend(), profile_ranges=profile_ranges
+    )
     x = torch.ones(1)
     _time_forwards(plain, x, warmup)
     _time_forwards(wrapped, x, warmup)
@@ -105,8 +109,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--calls", type=int, default=200, help="forwards per timed repeat")
+    parser.add_argument(
+        "--profile-ranges", action="store_true", help="wrap with profile_ranges=True"
+    )
     args = parser.parse_args()
-    result = measure(args.repeats, args.calls)
+    result = measure(args.repeats, args.calls, profile_ranges=args.profile_ranges)
     print(f"torch {torch.__version__}, {NUM_STAGES} stages, median of {args.repeats} repeats")
     print(f"plain forward:   {result['plain_us_per_forward']:8.1f} µs")
     print(f"wrapped forward: {result['wrapped_us_per_forward']:8.1f} µs")

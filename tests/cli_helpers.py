@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ooo_wrap._cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "using_with_part_b.md"
+DOC = ROOT / "README.md"
 PROG = "python -m ooo_wrap"
 
 

@@ -3,8 +3,8 @@
 A block counts when any heading above it (at its level or an outer one) starts with
 "Using with". Blocks that call ``init_process_group`` run as two gloo ranks in fresh
 processes with the environment torchrun sets; the others run in this process, each in a
-fresh namespace. Add a markdown file to ``DOCS`` (the README, say) to run its snippets too;
-write interactive examples (``>>>``) there as ``pycon`` or ``text`` blocks, not ``python``.
+fresh namespace. Interactive examples (``>>>``) are written as ``pycon`` or ``text`` blocks,
+not ``python``, so they are not run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import torch
 from _distributed import REPO_ROOT, free_port
 
-DOCS = [REPO_ROOT / "docs" / "using_with_part_a.md"]
+DOCS = [REPO_ROOT / "README.md"]
 
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _FENCE = re.compile(r"^\s*```")
@@ -176,13 +176,15 @@ def test_every_doc_has_using_with_snippets() -> None:
     for path in DOCS:
         headings = [heading for heading, _ in using_with_snippets(path.read_text())]
         assert headings, f"no python snippets under 'Using with' headings in {path}"
-    part_a = [h for h, _ in using_with_snippets(DOCS[0].read_text())]
-    assert part_a == [
-        "Using with DDP",
-        "Using with FSDP2",
-        "Using with torch.compile",
-        "Using with activation checkpointing",
-        "Using with AMP (autocast and GradScaler)",
+    readme = [h for h, _ in using_with_snippets(DOCS[0].read_text())]
+    assert readme == [
+        "DDP",
+        "FSDP2",
+        "torch.compile",
+        "Activation checkpointing",
+        "AMP (autocast and GradScaler)",
+        "The PyTorch profiler",
+        "Copying and saving",
     ]
 
 
