@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import weakref
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from ._backend import AcceleratorBackend, Backend
+from ._classswap import wrapped_class
 from ._compat import is_compiled_module
 from ._errors import OOOConfigError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
@@ -27,8 +27,6 @@ from ._stats import Counters, OOOStats
 __all__ = ["OOOModule", "events_for", "unwrap"]
 
 logger = logging.getLogger("ooo_wrap")
-
-_API_NAMES = ("events", "plan", "stats", "unwrap")
 
 
 @dataclass
@@ -51,8 +49,6 @@ class _WrapState:
 # Keyed weakly by the model: nothing here keeps a model alive, and nothing is stored on it.
 _wrapped: weakref.WeakKeyDictionary[nn.Module, _WrapState] = weakref.WeakKeyDictionary()
 _detached: weakref.WeakKeyDictionary[nn.Module, tuple[OOOEvent, ...]] = weakref.WeakKeyDictionary()
-_classes: dict[tuple[type[nn.Module], tuple[str, ...]], type[nn.Module]] = {}
-_warned_shadowed: set[tuple[type[nn.Module], str]] = set()
 
 _FALLBACK_MESSAGES = {
     "cpu": "model is on the CPU: standard backward (side streams need an accelerator; "
@@ -290,7 +286,7 @@ def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Ba
         scheduler_class = ProfiledScheduler if options.profile_ranges else Scheduler
         scheduler = scheduler_class(the_plan, streams, backend, log, counters)
         scheduler.install(model, handles)
-        model.__class__ = _wrapped_class(model, original_class)
+        model.__class__ = wrapped_class(model, original_class, OOOModule)
         if _names(model) != names_before:  # the contract: wrapping renames nothing
             raise RuntimeError("parameter or buffer names changed while wrapping")
         _wrapped[model] = _WrapState(
@@ -324,50 +320,3 @@ def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Ba
 
 def _names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()] + list(model.state_dict())
-
-
-class _LeftToModel:
-    """A non-data descriptor that hides a wrapper API name: instance lookup falls through
-    to the model's own ``__dict__`` or its ``nn.Module.__getattr__`` (sub-modules,
-    parameters, buffers)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __get__(self, obj: object, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        raise AttributeError(self._name)
-
-
-def _wrapped_class(model: nn.Module, cls: type[nn.Module]) -> type[nn.Module]:
-    """The cached ``OOO<cls>`` subclass; names the model already has stay the model's."""
-    missing = object()
-    on_class = {n for n in _API_NAMES if inspect.getattr_static(cls, n, missing) is not missing}
-    on_instance = {
-        n
-        for n in _API_NAMES
-        if n in vars(model) or n in model._modules or n in model._parameters or n in model._buffers
-    }
-    shadowed = tuple(sorted(on_class | on_instance))
-    for name in shadowed:
-        if (cls, name) not in _warned_shadowed:
-            _warned_shadowed.add((cls, name))
-            warn_user(
-                f"ooo_wrap: {cls.__name__} already has {name!r}; it stays the model's. Use "
-                f"ooo_wrap.events_for(model), ooo_wrap.unwrap(model) or "
-                f"ooo_wrap.OOOModule.{name} for the wrapper's"
-            )
-    key = (cls, shadowed)
-    if key not in _classes:
-        namespace: dict[str, Any] = {
-            "_ooo_dynamic": True,
-            "__module__": cls.__module__,
-            "__qualname__": f"OOO{cls.__qualname__}",
-        }
-        for name in shadowed:
-            namespace[name] = (
-                inspect.getattr_static(cls, name) if name in on_class else _LeftToModel(name)
-            )
-        _classes[key] = type(f"OOO{cls.__name__}", (OOOModule, cls), namespace)
-    return _classes[key]

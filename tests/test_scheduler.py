@@ -26,7 +26,8 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import EventKind, OOOStats
-from ooo_wrap._wrap import _classes, _wrapped
+from ooo_wrap._classswap import _classes
+from ooo_wrap._wrap import _wrapped
 from ooo_wrap.testing import SimulatedBackend, StreamCall, VirtualEvent, VirtualStream
 
 DEFAULT = VirtualStream(0)

@@ -1,0 +1,73 @@
+"""The class swap: a cached ``OOO<ClassName>`` subclass per model class.
+
+Wrapping changes only ``model.__class__`` (like FSDP2's ``FSDP<ClassName>``), so
+``isinstance`` checks, parameter names and ``state_dict()`` keys stay the model's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from ._errors import warn_user
+
+__all__ = ["wrapped_class"]
+
+_API_NAMES = ("events", "plan", "stats", "unwrap")
+
+# (model class, names left to the model) -> wrapped class; classes live for the process.
+_classes: dict[tuple[type[nn.Module], tuple[str, ...]], type[nn.Module]] = {}
+_warned_shadowed: set[tuple[type[nn.Module], str]] = set()
+
+
+class _LeftToModel:
+    """A non-data descriptor that hides a wrapper API name: instance lookup falls through
+    to the model's own ``__dict__`` or its ``nn.Module.__getattr__`` (sub-modules,
+    parameters, buffers)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        raise AttributeError(self._name)
+
+
+def wrapped_class(model: nn.Module, cls: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
+    """The cached ``OOO<cls>(base, cls)`` class for ``model``, whose class is ``cls``.
+
+    Names of the wrapper's API that the model already has (on its class, or as an
+    attribute, sub-module, parameter or buffer) stay the model's, with a one-time warning.
+    """
+    missing = object()
+    on_class = {n for n in _API_NAMES if inspect.getattr_static(cls, n, missing) is not missing}
+    on_instance = {
+        n
+        for n in _API_NAMES
+        if n in vars(model) or n in model._modules or n in model._parameters or n in model._buffers
+    }
+    shadowed = tuple(sorted(on_class | on_instance))
+    for name in shadowed:
+        if (cls, name) not in _warned_shadowed:
+            _warned_shadowed.add((cls, name))
+            warn_user(
+                f"ooo_wrap: {cls.__name__} already has {name!r}; it stays the model's. Use "
+                f"ooo_wrap.events_for(model), ooo_wrap.unwrap(model) or "
+                f"ooo_wrap.OOOModule.{name} for the wrapper's"
+            )
+    key = (cls, shadowed)
+    if key not in _classes:
+        namespace: dict[str, Any] = {
+            "_ooo_dynamic": True,
+            "__module__": cls.__module__,
+            "__qualname__": f"OOO{cls.__qualname__}",
+        }
+        for name in shadowed:
+            namespace[name] = (
+                inspect.getattr_static(cls, name) if name in on_class else _LeftToModel(name)
+            )
+        _classes[key] = type(f"OOO{cls.__name__}", (base, cls), namespace)
+    return _classes[key]
