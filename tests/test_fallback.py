@@ -92,6 +92,17 @@ def test_model_on_a_device_without_streams_is_untouched() -> None:
     assert (event.kind, event.reason) == (EventKind.DISABLED, "no_accelerator")
 
 
+def test_stages_on_two_devices_are_untouched() -> None:
+    model = make_two_towers()
+    model.towers[1].to("meta")  # model parallel: one tower elsewhere
+    hooks = hook_snapshot(model)
+    assert OOOModule(model, backend=SimulatedBackend()) is model
+    assert_untouched(model, TwoTowers, hooks)
+    event = only_event(model)
+    assert (event.kind, event.reason) == (EventKind.DISABLED, "multi_device")
+    assert "several devices" in event.message
+
+
 @pytest.mark.parametrize(
     ("model", "stages"),
     [
