@@ -306,7 +306,6 @@ def test_plot_is_skipped_without_matplotlib(
 
 
 def test_plot_is_written_with_matplotlib(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     narrow = {**TARGET, "width": 512}
     records = [
         fake_record("towers", TARGET, 16, 1.2),
