@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ._backend import Backend
 from ._errors import OOOConfigError
-from ._plan import _as_names, check_streams
+from ._plan import as_stage_names, check_streams
 
 __all__ = ["WrapOptions"]
 
@@ -37,7 +37,7 @@ class WrapOptions:
         check_streams(self.streams)
         if self.stages is not None:
             # A tuple, normalised once here, so that the frozen options stay immutable.
-            object.__setattr__(self, "stages", tuple(_as_names(self.stages, "stages=")))
+            object.__setattr__(self, "stages", tuple(as_stage_names(self.stages, "stages=")))
         if not isinstance(self.profile_ranges, bool):
             raise OOOConfigError(
                 f"profile_ranges must be True or False, got {self.profile_ranges!r}; "

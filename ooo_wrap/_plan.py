@@ -11,7 +11,7 @@ from torch import nn
 
 from ._errors import OOOConfigError, did_you_mean
 
-__all__ = ["Plan", "Stage", "check_streams", "plan"]
+__all__ = ["Plan", "Stage", "as_stage_names", "check_streams", "plan"]
 
 StageSource = Literal["argument", "attribute", "automatic"]
 
@@ -116,9 +116,9 @@ def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = N
     max_streams = check_streams(streams)
     source: StageSource
     if stages is not None:
-        names, source = _as_names(stages, "stages="), "argument"
+        names, source = as_stage_names(stages, "stages="), "argument"
     elif getattr(model, "ooo_stage_names", None) is not None:
-        names = _as_names(model.ooo_stage_names, "model.ooo_stage_names")
+        names = as_stage_names(model.ooo_stage_names, "model.ooo_stage_names")
         source = "attribute"
     else:
         names, source = _expand(model), "automatic"
@@ -136,7 +136,7 @@ def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = N
     return Plan(stages=planned, max_streams=max_streams, source=source)
 
 
-def _as_names(value: object, where: str) -> list[str]:
+def as_stage_names(value: object, where: str) -> list[str]:
     """Check that ``value`` is a sequence of strings (and not one bare string)."""
     if isinstance(value, str):
         raise OOOConfigError(
