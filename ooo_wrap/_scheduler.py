@@ -218,12 +218,7 @@ class Scheduler:
         inputs = tensors_in(args)
         if kwargs:
             inputs += tensors_in(kwargs)
-        recorded = 0
-        device = stage.device
-        for tensor in inputs:
-            if tensor.device == device:
-                backend.record_stream(tensor, stream)
-                recorded += 1
+        recorded = _record_stream(backend, inputs, stage.device, stream)
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
         frames.append(_Frame(stage, ambient))
@@ -252,11 +247,7 @@ class Scheduler:
             try:
                 # 4. e marks all the stage's work; outputs are read on ambient from now on.
                 event = backend.record_event(stream)
-                device = stage.device
-                for tensor in tensors_in(output):
-                    if tensor.device == device:
-                        backend.record_stream(tensor, ambient)
-                        recorded += 1
+                recorded = _record_stream(backend, tensors_in(output), stage.device, ambient)
             finally:
                 backend.set_stream(ambient)
             backend.wait_event(ambient, event)
@@ -310,6 +301,18 @@ class Scheduler:
             OOOEvent(EventKind.BYPASSED, reason, _BYPASS_MESSAGES[reason], count=count),
             level=logging.INFO,
         )
+
+
+def _record_stream(
+    backend: Backend, tensors: list[torch.Tensor], device: torch.device, stream: Stream
+) -> int:
+    """``record_stream(stream)`` on each of ``tensors`` on ``device``; returns how many."""
+    recorded = 0
+    for tensor in tensors:
+        if tensor.device == device:  # other devices' allocators never see ``stream``
+            backend.record_stream(tensor, stream)
+            recorded += 1
+    return recorded
 
 
 def _eager_bypass_reason() -> str | None:
