@@ -184,8 +184,19 @@ def test_autocast_and_grad_scaler_loop_keeps_bitwise_parity() -> None:
 def test_checkpointed_model_passes_the_race_check(where: str, use_reentrant: bool) -> None:
     # The recomputation runs in backward: every op of it must still be ordered on the
     # virtual streams (vector clocks), with record_stream where tensors cross streams.
-    report = check(Net(where, use_reentrant), torch.randn(5, 12), streams=2)
+    model = Net(where, use_reentrant)
+    report = check(model, torch.randn(5, 12), streams=2)
     assert report.ok, str(report)
+    # After each backward the caller's stream is current again: the SGD step (one add_
+    # per parameter) runs there, and nothing after backward is labelled backward.
+    rows = {row.stream: row for row in report.ops}
+    assert set(rows) == {"default", "side1", "side2"}
+    assert rows["default"].step == report.steps * len(list(model.parameters()))
+    assert rows["side1"].step == rows["side2"].step == 0
+    assert rows["side1"].forward > 0 and rows["side1"].backward > 0
+    assert rows["side2"].forward > 0 and rows["side2"].backward > 0
+    steps = [r for r in report.trace if r.phase == "step"]
+    assert {r.op for r in steps} == {"aten.add_.Tensor"}
 
 
 def test_autocast_model_passes_the_race_check() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from ._engine import EngineModel
-from ._intercept import OpInterceptor
+from ._intercept import OpInterceptor, intercept_new_threads
 from ._ops import TensorUse, storage_key, tensor_uses, tensors_of
 from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
 from ._tracker import Access, AllocatorHazard, Clock, OpRecord, Phase, Race, StreamTracker
@@ -79,6 +80,8 @@ class Detection:
         self._records: list[OpRecord] = []
         self._stages: list[str] = []
         self._phase: Phase = "forward"
+        # Threads started inside detect() report here too.
+        self._lock = threading.RLock()
 
     @property
     def races(self) -> tuple[Race, ...]:
@@ -155,6 +158,17 @@ class Detection:
         kwargs: Mapping[str, Any],
         out: Any,
     ) -> None:
+        with self._lock:
+            self._on_op_locked(func, args, kwargs, out)
+
+    def _on_op_locked(
+        self,
+        func: torch._ops.OpOverload,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        out: Any,
+    ) -> None:
+        self._engine.catch_up()
         if func.is_view:
             # No kernel, no access: only the autograd node it may create matters.
             self._engine.created(list(tensors_of(out)), self.stream_now(), self._stage_now())
@@ -169,6 +183,10 @@ class Detection:
         self._engine.created(list(tensors_of(out)), stream, stage)
 
     def _host_read(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._host_read_locked(tensor)
+
+    def _host_read_locked(self, tensor: torch.Tensor) -> None:
         self._engine.flush()
         key = storage_key(tensor)
         uses = [] if key is None else [TensorUse(tensor, key, is_write=False, fresh=False)]
@@ -249,7 +267,7 @@ def detect(
     backend._detection = detection
     token = _active.set(detection)
     try:
-        with OpInterceptor(detection._on_op):
+        with OpInterceptor(detection._on_op), intercept_new_threads(detection._on_op):
             yield detection
             detection._engine.flush()
     finally:

@@ -13,10 +13,23 @@ how each point is modelled here:
 3. A gradient passing from a producer to a consumer node on another stream: the consumer
    (or the accumulation into its input buffer) waits on an event recorded on the producer
    when the producer finished, and the engine calls ``record_stream(consumer)`` on the
-   gradient. Accumulation of several gradients runs on the consumer's stream.
-4. The graph root waits on the stream that called ``backward()``.
-5. At the end of ``backward()`` the caller's stream waits on every leaf stream (streams
+   gradient. Accumulation of several gradients runs on the consumer's stream. One
+   gradient tensor may feed several consumers (``a + b`` hands its gradient to both), so
+   accumulations are matched to the edges that fed an input twice, in edge order, never
+   by storage alone.
+4. The graph root waits on the stream that called ``backward()``, and the engine
+   ``record_stream``s the root gradients (made on the caller's stream) to the root's.
+5. Tensor hooks (``y.register_hook``) run inside the consuming node's call, on its stream
+   after its waits, but before its node pre-hooks: the engine's running node starts at
+   the first op it runs, whichever hook comes first.
+6. At the end of ``backward()`` the caller's stream waits on every leaf stream (streams
    of nodes with no outputs, such as ``AccumulateGrad``), so the caller may read ``.grad``.
+7. A backward run from inside a node (reentrant checkpoint) is a graph task of its own:
+   it ends when that node finishes, whatever order the engine runs its final callbacks in.
+
+The producer/consumer rules (3) are those of ``engine.cpp`` and ``input_buffer.cpp`` since
+torch 2.9 (the rewrite of the producer-consumer stream syncs: ready events, accumulation on
+the consumer's stream); :data:`CHECKED_TORCH` is the range the model was checked against.
 """
 
 from __future__ import annotations
@@ -36,7 +49,11 @@ from ._ops import storage_key
 from ._simulated import VirtualStream
 from ._tracker import Clock, StreamTracker
 
-__all__ = ["EngineHost", "EngineModel", "NodeTag"]
+__all__ = ["CHECKED_TORCH", "EngineHost", "EngineModel", "NodeTag", "torch_version_note"]
+
+# The torch releases (major, minor) whose engine the model was checked against: the
+# sources for 2.9 on, and the test suite run on 2.13.
+CHECKED_TORCH = ((2, 9), (2, 13))
 
 _TAG = "ooo_wrap.testing.stream"
 
@@ -74,6 +91,8 @@ class _Backward:
     stage_before: str | None
     leaf_streams: set[VirtualStream] = field(default_factory=set)
     running: int = 0
+    nested: bool = False
+    done: bool = False
 
 
 class EngineModel:
@@ -85,8 +104,11 @@ class EngineModel:
         self._pending: tuple[list[torch.Tensor], VirtualStream, str | None] | None = None
         self._waits: defaultdict[int, list[Clock]] = defaultdict(list)
         self._fed: set[int] = set()
+        self._buffered: defaultdict[int, set[int]] = defaultdict(set)
         self._stack: list[_Backward] = []
-        self._window: dict[int, NodeTag] = {}
+        self._running: set[int] = set()
+        self._finished: int | None = None
+        self._window: list[tuple[int | None, NodeTag]] = []
         self._handles: list[RemovableHandle] = []
         self._stage: str | None = None
 
@@ -125,16 +147,39 @@ class EngineModel:
 
         The engine adds a second gradient for one input on the consumer's stream, after
         waiting on every producer so far: the waits are applied here, and the op is to
-        be attributed to the returned node's stream.
+        be attributed to the returned node's stream. Accumulations come in the order of
+        the producer's edges; the op must read that edge's gradient.
         """
         if not self._window:
             return None
-        for key in keys:
-            consumer = self._window.get(key)
-            if consumer is not None:
-                self._apply_waits(consumer)
-                return consumer
-        return None
+        key, consumer = self._window[0]
+        if key is not None and key not in set(keys):
+            return None
+        del self._window[0]
+        self._apply_waits(consumer)
+        return consumer
+
+    def catch_up(self) -> None:
+        """Start the node the engine runs now if its pre-hook was missed.
+
+        Two cases: tensor hooks (``y.register_hook``) run inside the consuming node's call,
+        on its stream after its waits, but before its node pre-hooks; and a backward run
+        from inside a node (reentrant checkpoint) may start at a node whose hooks did not
+        exist yet when the engine called it (the last op of the recomputation made it, and
+        no op ran since to tag it). Ops of a node that has finished (its gradients being
+        summed into the next input buffers) start nothing.
+        """
+        # The engine's running node: no public API names it (the profiler and
+        # torch.utils.checkpoint use the same private call).
+        node: Node | None = torch._C._current_autograd_node()
+        if node is None:
+            return
+        tag = self._tag(node)
+        if tag is None:
+            self.flush()
+            tag = self._tag(node)
+        if tag is not None and tag.id not in self._running and tag.id != self._finished:
+            self._pre(node, tag, ())
 
     def close(self) -> None:
         """Remove every hook this model installed and forget its state."""
@@ -144,6 +189,8 @@ class EngineModel:
         self._pending = None
         self._waits.clear()
         self._window.clear()
+        self._buffered.clear()
+        self._running.clear()
         self._stack.clear()
 
     # --- tagging --------------------------------------------------------------------
@@ -171,21 +218,31 @@ class EngineModel:
     # --- backward -------------------------------------------------------------------
 
     def _pre(self, node: Node, tag: NodeTag, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        if tag.id in self._running:
+            return  # started early by catch_up
         self.flush()
         tracker = self._host.tracker
         frame = self._stack[-1] if self._stack else None
         if frame is None or frame.running:
             # No backward in flight, or a node is running one of its own (reentrant
             # checkpoint): a new graph task begins.
-            frame = self._begin()
+            frame = self._begin(nested=frame is not None)
         self._apply_waits(tag)
         if tag.id not in self._fed and tag.stream != frame.caller:
-            tracker.wait(tag.stream, frame.start)  # a root: its gradient comes from the caller
+            # A root: its gradient comes from the caller, which the root's stream waits
+            # on; the engine record_streams that gradient to the root's stream.
+            tracker.wait(tag.stream, frame.start)
+            for grad in grad_outputs:
+                key = None if grad is None else storage_key(grad)
+                if key is not None:
+                    tracker.record_stream(key, tag.stream)
         self._fed.discard(tag.id)
+        self._buffered.pop(tag.id, None)
+        self._running.add(tag.id)
         if not node.next_functions:
             frame.leaf_streams.add(tag.stream)
         frame.running += 1
-        self._window = {}
+        self._window = []
         self._host.switch_stream(tag.stream)
         self._stage = tag.stage
 
@@ -196,11 +253,18 @@ class EngineModel:
         grad_inputs: Sequence[torch.Tensor | None],
         grad_outputs: Sequence[torch.Tensor | None],
     ) -> None:
+        if tag.id not in self._running:
+            self._pre(node, tag, ())  # hooked while it ran (see catch_up)
+        self._running.discard(tag.id)
+        self._finished = tag.id
+        if self._stack and self._stack[-1].running == 0 and self._stack[-1].nested:
+            # A backward run from inside this node (reentrant checkpoint) is over.
+            self._end(self._stack[-1])
         if self._stack:
             self._stack[-1].running -= 1
         tracker = self._host.tracker
-        window: dict[int, NodeTag] = {}
-        for grad, (consumer_node, _) in zip(grad_inputs, node.next_functions, strict=True):
+        window: list[tuple[int | None, NodeTag]] = []
+        for grad, (consumer_node, slot) in zip(grad_inputs, node.next_functions, strict=True):
             if grad is None or consumer_node is None:
                 continue
             consumer = self._tag(consumer_node) or self._tag_node(
@@ -214,17 +278,19 @@ class EngineModel:
                 self._waits[consumer.id].append(tracker.snapshot(tag.stream))
                 if key is not None:
                     tracker.record_stream(key, consumer.stream)
-            if key is not None:
-                window[key] = consumer
+            slots = self._buffered[consumer.id]
+            if slot in slots:
+                window.append((key, consumer))  # a second gradient for this input: a sum
+            slots.add(slot)
         self._window = window
 
     def _apply_waits(self, tag: NodeTag) -> None:
         for snapshot in self._waits.pop(tag.id, ()):
             self._host.tracker.wait(tag.stream, snapshot)
 
-    def _begin(self) -> _Backward:
+    def _begin(self, nested: bool) -> _Backward:
         caller = self._host.stream_now()
-        frame = _Backward(caller, self._host.tracker.snapshot(caller), self._stage)
+        frame = _Backward(caller, self._host.tracker.snapshot(caller), self._stage, nested=nested)
         self._stack.append(frame)
         # The engine's own end-of-backward hook (what DDP and FSDP use): runs when this
         # graph task finishes, where the engine syncs the caller with the leaf streams.
@@ -233,15 +299,46 @@ class EngineModel:
         return frame
 
     def _end(self, frame: _Backward) -> None:
+        # Runs once per graph task: at the end of a nested backward (from _post), and as
+        # the engine's final callback, which for a nested task may come only at the end
+        # of the outer backward, after the outer frame's own.
+        if frame.done:
+            return
+        frame.done = True
         tracker = self._host.tracker
         for leaf in frame.leaf_streams:
             if leaf != frame.caller:
                 tracker.wait(frame.caller, tracker.snapshot(leaf))
-        if self._stack and self._stack[-1] is frame:
-            self._stack.pop()
-        self._window = {}
+        while self._stack:
+            if self._stack.pop() is frame:
+                break
+        if not self._stack:
+            self._buffered.clear()
+        self._window = []
         self._host.switch_stream(frame.caller)
         self._stage = frame.stage_before
+
+
+def torch_version_note(version: str = torch.__version__) -> str | None:
+    """A line for the report when the installed torch is outside :data:`CHECKED_TORCH`."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return f"cannot read the torch version {version!r}; {_checked_range()}"
+    low, high = CHECKED_TORCH
+    if low <= (major, minor) <= high:
+        return None
+    return (
+        f"torch {version} is installed; {_checked_range()}: "
+        "backward findings may not match this torch's engine"
+    )
+
+
+def _checked_range() -> str:
+    (a, b), (c, d) = CHECKED_TORCH
+    return (
+        f"the checker's model of the autograd engine was checked against torch {a}.{b} to {c}.{d}"
+    )
 
 
 def _metadata(node: Node) -> dict[str, Any]:

@@ -8,13 +8,17 @@ private class for the same reason. Nothing outside ``ooo_wrap.testing`` imports 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpHandler", "OpInterceptor"]
+__all__ = ["OpHandler", "OpInterceptor", "intercept_new_threads"]
 
 # (op, args, kwargs, result) -> None; called after the op ran.
 OpHandler = Callable[[torch._ops.OpOverload, Sequence[Any], Mapping[str, Any], Any], None]
@@ -39,3 +43,34 @@ class OpInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **kwargs)
         self._handler(func, args, kwargs, out)
         return out
+
+
+@contextlib.contextmanager
+def intercept_new_threads(handler: OpHandler) -> Iterator[None]:
+    """Threads started inside the block report their ops to ``handler`` too.
+
+    A dispatch mode is per thread, so a thread the code under test starts would run
+    unseen. ``threading.setprofile`` runs a function first thing in every new thread:
+    it enters an :class:`OpInterceptor` there and removes itself. After the block such a
+    thread's interceptor only runs ops (it cannot be left from here).
+    """
+    active = True
+
+    def report(
+        func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
+    ) -> None:
+        if active:
+            handler(func, args, kwargs, out)
+
+    previous = threading.getprofile()
+
+    def start(frame: FrameType, event: str, arg: Any) -> None:
+        sys.setprofile(previous)
+        OpInterceptor(report).__enter__()  # type: ignore[no-untyped-call]
+
+    threading.setprofile(start)
+    try:
+        yield
+    finally:
+        threading.setprofile(previous)
+        active = False

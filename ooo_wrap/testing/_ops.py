@@ -10,6 +10,14 @@ import torch
 
 __all__ = ["TensorUse", "storage_key", "tensor_uses", "tensors_of"]
 
+# Ops that update their running statistics in place in training mode although their
+# schema does not mark those arguments as written: schema name -> (training arg, stats).
+_HIDDEN_WRITES = {
+    "aten::native_batch_norm": (5, (3, 4)),
+    "aten::cudnn_batch_norm": (5, (3, 4)),
+    "aten::miopen_batch_norm": (5, (3, 4)),
+}
+
 
 @dataclass(frozen=True)
 class TensorUse:
@@ -62,15 +70,13 @@ def tensor_uses(
     uses: list[TensorUse] = []
     seen: set[int] = set()
     schema_args = func._schema.arguments
+    hidden = _hidden_writes(func, schema_args, args, kwargs)
     for index, argument in enumerate(schema_args):
-        if index < len(args):
-            value = args[index]
-        elif argument.name in kwargs:
-            value = kwargs[argument.name]
-        else:
+        value = _argument(index, argument.name, args, kwargs)
+        if value is None:
             continue
         alias = argument.alias_info
-        is_write = alias is not None and alias.is_write
+        is_write = (alias is not None and alias.is_write) or index in hidden
         for tensor in tensors_of(value):
             key = storage_key(tensor)
             if key is not None:
@@ -82,3 +88,25 @@ def tensor_uses(
             seen.add(key)
             uses.append(TensorUse(tensor, key, is_write=True, fresh=True))
     return uses
+
+
+def _argument(index: int, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    if index < len(args):
+        return args[index]
+    return kwargs.get(name)
+
+
+def _hidden_writes(
+    func: torch._ops.OpOverload,
+    schema_args: Sequence[Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> tuple[int, ...]:
+    """The arguments ``func`` writes though its schema does not say so (see above)."""
+    entry = _HIDDEN_WRITES.get(func._schema.name)
+    if entry is None:
+        return ()
+    training, stats = entry
+    if not _argument(training, schema_args[training].name, args, kwargs):
+        return ()
+    return stats

@@ -1,0 +1,142 @@
+"""The checker's model of the autograd engine on cases real models hit: one gradient
+handed to two consumers, tensor hooks, root gradients, hidden writes, other threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from ooo_wrap.testing import Detection, RaceKind, check, detect, host_read
+
+CPU = torch.device("cpu")
+RAW = RaceKind.READ_AFTER_WRITE
+
+
+class Fuse(nn.Module):
+    """Two branches that both feed two fuse sums (HRNet's fuse layers, in small)."""
+
+    def __init__(self, swap: bool) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2))
+        self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.swap = swap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.branches[0](x), self.branches[1](x)
+        first = self.up(b) + a if self.swap else a + self.up(b)
+        return (first.relu() + (self.down(a) + b).relu()).sum()
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["a_first", "a_second"])
+def test_one_gradient_handed_to_two_consumers_is_no_race(swap: bool) -> None:
+    # AddBackward passes the same gradient tensor to both inputs; the later sum into
+    # a's input buffer runs on a's stream whichever operand came first.
+    torch.manual_seed(0)
+    stages = ["branches.0", "branches.1"]
+    report = check(Fuse(swap), torch.randn(4, 8), streams=2, stages=stages, steps=1)
+    assert report.ok, str(report)
+    rows = {row.stream: row for row in report.ops}
+    assert rows["side1"].backward > 0 and rows["side2"].backward > 0
+
+
+class HookedOutput(nn.Module):
+    """A stage output with a tensor hook that scales its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        if y.requires_grad:
+            y.register_hook(lambda g: g * 2)
+        return self.b(y.relu()) + y
+
+
+def test_a_tensor_hook_on_a_stage_output_runs_on_the_consuming_nodes_stream() -> None:
+    report = check(HookedOutput(), torch.randn(4, 8), streams=2)
+    assert report.ok, str(report)
+    hooked = [r for r in report.trace if r.phase == "backward" and r.op == "aten.mul.Tensor"]
+    assert {(r.stream, r.stage) for r in hooked} == {("side1", "a")}
+
+
+def _fork(found: Detection, *inputs: torch.Tensor) -> None:
+    b = found.backend
+    main, side = b.current_stream(CPU), b.new_stream(CPU)
+    b.wait_event(side, b.record_event(main))
+    for tensor in inputs:
+        b.record_stream(tensor, side)
+    b.set_stream(side)
+
+
+def _join(found: Detection, *outputs: torch.Tensor) -> None:
+    b = found.backend
+    side = b.current_stream(CPU)
+    main = type(side)(0)
+    b.set_stream(main)
+    for tensor in outputs:
+        b.record_stream(tensor, main)
+    b.wait_event(main, b.record_event(side))
+
+
+def test_a_root_gradient_from_the_caller_is_recorded_to_the_roots_stream() -> None:
+    weight = torch.randn(4, 4, requires_grad=True)
+    with detect(keep_alive=[weight]) as found:
+        x = torch.randn(2, 4)
+        _fork(found, x)
+        y = x @ weight
+        _join(found, y)
+        y.backward(torch.ones(2, 4))  # made on the caller's stream, used on side1
+        assert weight.grad is not None
+        found.keep_alive(weight.grad)
+        host_read(weight.grad)
+    assert found.ok, (found.races, found.allocator_hazards)
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_batch_norm_writes_its_running_stats(joined: bool) -> None:
+    bn = nn.BatchNorm1d(4)
+    with detect(keep_alive=[bn]) as found:
+        x = torch.randn(8, 4)
+        _fork(found, x)
+        y = bn(x)
+        b = found.backend
+        b.set_stream(type(b.current_stream(CPU))(0))
+        b.record_stream(y, b.current_stream(CPU))
+        if joined:
+            b.wait_event(b.current_stream(CPU), b.record_event(type(b.current_stream(CPU))(1)))
+        host_read(bn.running_mean)
+    if joined:
+        assert found.ok, found.races
+    else:
+        assert [(r.kind, r.earlier.op, r.later.op) for r in found.races] == [
+            (RAW, "aten.native_batch_norm.default", "host_read")
+        ]
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_ops_of_another_thread_are_seen(joined: bool) -> None:
+    with detect() as found:
+        x = torch.zeros(8)
+        _fork(found, x)
+        x.add_(1)  # on side1
+        b = found.backend
+        b.set_stream(type(b.current_stream(CPU))(0))
+        if joined:
+            b.wait_event(b.current_stream(CPU), b.record_event(type(b.current_stream(CPU))(1)))
+        # A new thread starts on the default stream, as on CUDA.
+        worker = threading.Thread(target=lambda: x.sum())
+        worker.start()
+        worker.join()
+    reads = [r for r in found.ops if r.op == "aten.sum.default"]
+    assert [r.stream for r in reads] == ["default"]
+    if joined:
+        assert found.races == ()
+    else:
+        assert [(r.kind, r.earlier.op, r.later.op) for r in found.races] == [
+            (RAW, "aten.add_.Tensor", "aten.sum.default")
+        ]
