@@ -98,3 +98,14 @@ def test_each_distinct_race_is_reported_once() -> None:
         RaceKind.WRITE_AFTER_READ,
     }
     assert "read-after-write: read by read on b (forward) of float32[2]" in str(tracker.races[0])
+
+
+def test_a_freed_storage_is_forgotten() -> None:
+    tracker = StreamTracker(origin="a")
+    tracker.allocate(1, "b")
+    _op(tracker, 1, "b", "old write", write=True)
+    tracker.forget(1)
+    assert 1 not in tracker.storages
+    tracker.keep_alive(1)  # a tensor made before tracking now sits at the address
+    _op(tracker, 1, "a", "new read", write=False)
+    assert tracker.races == [] and tracker.hazards == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from ._engine import EngineModel
 from ._intercept import OpInterceptor, intercept_new_threads
-from ._ops import TensorUse, storage_key, tensor_uses, tensors_of
+from ._ops import TensorUse, is_view_only, storage_key, tensor_uses, tensors_of, written_keys
 from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
 from ._tracker import Access, AllocatorHazard, Clock, OpRecord, Phase, Race, StreamTracker
 
@@ -82,6 +83,8 @@ class Detection:
         self._phase: Phase = "forward"
         # Threads started inside detect() report here too.
         self._lock = threading.RLock()
+        # Per storage in the history, what forgets it when the storage is freed.
+        self._watched: dict[int, weakref.finalize[Any, Any]] = {}
 
     @property
     def races(self) -> tuple[Race, ...]:
@@ -157,9 +160,10 @@ class Detection:
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         out: Any,
+        before: list[int | None] | None,
     ) -> None:
         with self._lock:
-            self._on_op_locked(func, args, kwargs, out)
+            self._on_op_locked(func, args, kwargs, out, before)
 
     def _on_op_locked(
         self,
@@ -167,13 +171,14 @@ class Detection:
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         out: Any,
+        before: list[int | None] | None,
     ) -> None:
         self._engine.catch_up()
-        if func.is_view:
+        if is_view_only(func):
             # No kernel, no access: only the autograd node it may create matters.
             self._engine.created(list(tensors_of(out)), self.stream_now(), self._stage_now())
             return
-        uses = tensor_uses(func, args, kwargs, out)
+        uses = tensor_uses(func, args, kwargs, out, before)
         consumer = self._engine.accumulation_target(u.key for u in uses if not u.fresh)
         if consumer is not None:
             stream, stage = consumer.stream, consumer.stage
@@ -208,6 +213,9 @@ class Detection:
         for use in uses:
             if use.fresh:
                 tracker.allocate(use.key, stream)
+            if use.key not in self._watched:
+                storage = use.tensor.untyped_storage()
+                self._watched[use.key] = weakref.finalize(storage, self._freed, use.key)
             tensor = use.tensor
             access = Access(
                 str(stream),
@@ -220,6 +228,19 @@ class Detection:
                 seq,
             )
             tracker.access(use.key, stream, access)
+
+    def _freed(self, key: int) -> None:
+        # The storage's memory is going back to the allocator: a later tensor at this
+        # address starts a new history (the allocator's reuse rules are what
+        # record_stream and the hazards are about).
+        with self._lock:
+            self._watched.pop(key, None)
+            self.tracker.forget(key)
+
+    def _close(self) -> None:
+        for finalizer in self._watched.values():
+            finalizer.detach()
+        self._watched.clear()
 
 
 def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -267,11 +288,15 @@ def detect(
     backend._detection = detection
     token = _active.set(detection)
     try:
-        with OpInterceptor(detection._on_op), intercept_new_threads(detection._on_op):
+        with (
+            OpInterceptor(detection._on_op, written_keys),
+            intercept_new_threads(detection._on_op, written_keys),
+        ):
             yield detection
             detection._engine.flush()
     finally:
         detection._engine.close()
+        detection._close()
         backend._detection = None
         _active.reset(token)
 

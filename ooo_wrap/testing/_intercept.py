@@ -20,17 +20,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["OpHandler", "OpInterceptor", "intercept_new_threads"]
 
-# (op, args, kwargs, result) -> None; called after the op ran.
-OpHandler = Callable[[torch._ops.OpOverload, Sequence[Any], Mapping[str, Any], Any], None]
+# (op, args, kwargs, result, what prepare returned) -> None; called after the op ran.
+OpHandler = Callable[[torch._ops.OpOverload, Sequence[Any], Mapping[str, Any], Any, Any], None]
+# (op, args, kwargs) -> anything; called before the op runs.
+OpPrepare = Callable[[torch._ops.OpOverload, Sequence[Any], Mapping[str, Any]], Any]
 
 
 # The base class is untyped in torch: its constructor hooks are the untyped calls.
 class OpInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Runs every op unchanged, then reports it to ``handler``."""
+    """Runs every op unchanged, then reports it to ``handler`` (with what ``prepare``
+    saw of its arguments before it ran)."""
 
-    def __init__(self, handler: OpHandler) -> None:
+    def __init__(self, handler: OpHandler, prepare: OpPrepare) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._handler = handler
+        self._prepare = prepare
 
     def __torch_dispatch__(
         self,
@@ -40,13 +44,14 @@ class OpInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        before = self._prepare(func, args, kwargs)
         out = func(*args, **kwargs)
-        self._handler(func, args, kwargs, out)
+        self._handler(func, args, kwargs, out, before)
         return out
 
 
 @contextlib.contextmanager
-def intercept_new_threads(handler: OpHandler) -> Iterator[None]:
+def intercept_new_threads(handler: OpHandler, prepare: OpPrepare) -> Iterator[None]:
     """Threads started inside the block report their ops to ``handler`` too.
 
     A dispatch mode is per thread, so a thread the code under test starts would run
@@ -57,16 +62,20 @@ def intercept_new_threads(handler: OpHandler) -> Iterator[None]:
     active = True
 
     def report(
-        func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
+        func: torch._ops.OpOverload,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        out: Any,
+        before: Any,
     ) -> None:
         if active:
-            handler(func, args, kwargs, out)
+            handler(func, args, kwargs, out, before)
 
     previous = threading.getprofile()
 
     def start(frame: FrameType, event: str, arg: Any) -> None:
         sys.setprofile(previous)
-        OpInterceptor(report).__enter__()  # type: ignore[no-untyped-call]
+        OpInterceptor(report, prepare).__enter__()  # type: ignore[no-untyped-call]
 
     threading.setprofile(start)
     try:

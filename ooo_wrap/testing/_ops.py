@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorUse", "storage_key", "tensor_uses", "tensors_of"]
+__all__ = ["TensorUse", "is_view_only", "storage_key", "tensor_uses", "tensors_of", "written_keys"]
+
+# Tensors made from host data (torch.tensor, as_tensor, from_numpy, the scalar of
+# ``t[i] = 3``) are allocated outside the dispatcher, which shows them only as this
+# aliasing op: it is where their memory comes into use, on the current stream.
+_LIFT = "aten::lift_fresh"
 
 # Ops that update their running statistics in place in training mode although their
 # schema does not mark those arguments as written: schema name -> (training arg, stats).
@@ -52,23 +57,62 @@ def tensors_of(value: Any) -> Iterator[torch.Tensor]:
                 yield item
 
 
+def is_view_only(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` only makes a view: no kernel, no allocation."""
+    return func.is_view and func._schema.name != _LIFT
+
+
+def written_keys(
+    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> list[int | None] | None:
+    """Storages of the arguments ``func`` writes, before it runs (``None``: it writes none).
+
+    An op may give a written argument new memory (``out=`` resizing, ``resize_``): the
+    storage then differs after the op, and that memory was allocated by it.
+    """
+    if not func._schema.is_mutable:
+        return None
+    return [storage_key(t) for t in _written(func, args, kwargs)]
+
+
+def _written(
+    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> list[torch.Tensor]:
+    written: list[torch.Tensor] = []
+    for index, argument in enumerate(func._schema.arguments):
+        alias = argument.alias_info
+        if alias is not None and alias.is_write:
+            written += tensors_of(_argument(index, argument.name, args, kwargs))
+    return written
+
+
 def tensor_uses(
     func: torch._ops.OpOverload,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
     out: Any,
+    before: Sequence[int | None] | None = None,
 ) -> list[TensorUse]:
     """The reads and writes of one op call, and the storages it allocated.
 
     A view op (``t``, ``slice``, ``detach``, ...) launches no kernel, so it touches
     nothing. Arguments the schema marks as written (in-place, ``out=``) are writes, other
     tensor arguments reads; results whose storage no argument shares are fresh
-    allocations, written by the op.
+    allocations, written by the op. ``before`` (from :func:`written_keys`) tells which
+    written arguments got new memory from the op: those are fresh too.
     """
+    if func._schema.name == _LIFT:
+        return [TensorUse(t, k, True, True) for t in tensors_of(out) if (k := storage_key(t))]
     if func.is_view:
         return []
     uses: list[TensorUse] = []
     seen: set[int] = set()
+    if before is not None:
+        for tensor, old in zip(_written(func, args, kwargs), before, strict=False):
+            key = storage_key(tensor)
+            if key is not None and key != old and key not in seen:
+                seen.add(key)
+                uses.append(TensorUse(tensor, key, is_write=True, fresh=True))
     schema_args = func._schema.arguments
     hidden = _hidden_writes(func, schema_args, args, kwargs)
     for index, argument in enumerate(schema_args):

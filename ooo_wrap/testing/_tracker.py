@@ -10,7 +10,7 @@ latest read per stream since, and which streams the allocator was told about.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, KeysView, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
@@ -180,6 +180,15 @@ class StreamTracker:
     def allocate(self, storage: StorageId, stream: StreamId) -> None:
         """A fresh block for ``storage`` on ``stream``: forget what its address held before."""
         self._storages[storage] = _StorageState(allocated_on=stream)
+
+    def forget(self, storage: StorageId) -> None:
+        """``storage`` was freed: its address holds nothing until something allocates it."""
+        self._storages.pop(storage, None)
+
+    @property
+    def storages(self) -> KeysView[StorageId]:
+        """The storages with a history (live, or made before tracking and never freed)."""
+        return self._storages.keys()
 
     def keep_alive(self, storage: StorageId) -> None:
         """Mark ``storage`` as never freed while tracked (parameters, buffers, grads)."""

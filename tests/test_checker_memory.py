@@ -1,0 +1,127 @@
+"""Where the checker sees memory come and go: allocations the dispatcher shows only as a
+view (``lift_fresh``), by ``out=`` and ``resize_``, and storages freed mid-block."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ooo_wrap.testing import Detection, VirtualStream, check, detect, host_read
+
+CPU = torch.device("cpu")
+MAIN = VirtualStream(0)
+
+
+def _to_side(found: Detection, *inputs: torch.Tensor) -> VirtualStream:
+    b = found.backend
+    side = b.new_stream(CPU)
+    b.wait_event(side, b.record_event(b.current_stream(CPU)))
+    for tensor in inputs:
+        b.record_stream(tensor, side)
+    b.set_stream(side)
+    return side
+
+
+def _join(found: Detection, side: VirtualStream) -> None:
+    b = found.backend
+    b.set_stream(MAIN)
+    b.wait_event(MAIN, b.record_event(side))
+
+
+def _hazards(found: Detection) -> list[tuple[str, str, str]]:
+    return [(h.access.op, h.access.stream, h.allocated_on) for h in found.allocator_hazards]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.tensor([1.0, 2.0]),
+        lambda: torch.as_tensor(np.ones(2, dtype=np.float32)),
+        lambda: torch.from_numpy(np.ones(2, dtype=np.float32)),
+    ],
+    ids=["tensor", "as_tensor", "from_numpy"],
+)
+def test_a_tensor_made_from_host_data_is_allocated_on_the_current_stream(
+    make: Callable[[], torch.Tensor],
+) -> None:
+    with detect() as found:
+        side = _to_side(found)
+        made = make()
+        _join(found, side)
+        host_read(made)  # no record_stream(default): its block goes back to side1's pool
+    assert _hazards(found) == [("host_read", "default", "side1")]
+    assert found.races == ()
+
+
+class SideChannel(nn.Module):
+    """A stage that leaves a tensor attribute behind, which the parent reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        stat = self.a.stat
+        assert isinstance(stat, torch.Tensor)
+        return self.b(h) * stat
+
+
+def _remember_scale(module: nn.Module, args: object, output: torch.Tensor) -> None:
+    module.stat = torch.tensor(2.0)
+
+
+def test_a_side_channel_tensor_made_in_a_stage_is_an_allocator_hazard() -> None:
+    model = SideChannel()
+    model.a.register_forward_hook(_remember_scale)
+    report = check(model, torch.randn(3, 4), streams=2, steps=1)
+    assert ("aten.mul.Tensor", "default", "side1") in [
+        (h.access.op, h.access.stream, h.allocated_on) for h in report.allocator_hazards
+    ], str(report)
+
+
+def test_a_scalar_assigned_into_a_slice_is_a_fresh_tensor() -> None:
+    with detect() as found:
+        t = torch.zeros(2, 3)
+        side = _to_side(found, t)
+        t[..., 0] = 3  # lifts the scalar to a tensor on side1, then fills from it
+        _join(found, side)
+        host_read(t)
+    assert found.ok, (found.races, found.allocator_hazards)
+    assert "aten.lift_fresh.default" in [op.op for op in found.ops if op.stream == "side1"]
+
+
+@pytest.mark.parametrize("how", ["out", "resize_"])
+def test_memory_allocated_by_an_op_on_a_side_stream_belongs_to_that_stream(how: str) -> None:
+    with detect() as found:
+        a = torch.ones(16)
+        result = torch.empty(0)
+        side = _to_side(found, a, result)
+        if how == "out":
+            torch.add(a, 1, out=result)  # resizes the empty result: a new block on side1
+        else:
+            result.resize_(16).copy_(a)
+        _join(found, side)
+        host_read(result)
+    assert _hazards(found) == [("host_read", "default", "side1")]
+
+
+def test_a_freed_storage_forgets_its_history() -> None:
+    with detect() as found:
+        side = _to_side(found)
+        old = torch.ones(1024) * 2  # written on side1
+        key = old.untyped_storage().data_ptr()
+        del old
+        torch.zeros(1)  # the checker holds an op's results until the next op (autograd tags)
+        gc.collect()
+        _join(found, side)
+        assert key not in found.tracker.storages
+        fresh = torch.ones(1024)  # may reuse the address: its history starts here
+        host_read(fresh)
+    assert found.ok, (found.races, found.allocator_hazards)
