@@ -125,3 +125,75 @@ def test_a_freed_storage_forgets_its_history() -> None:
         fresh = torch.ones(1024)  # may reuse the address: its history starts here
         host_read(fresh)
     assert found.ok, (found.races, found.allocator_hazards)
+
+
+def _two_sides(found: Detection, x: torch.Tensor) -> tuple[VirtualStream, VirtualStream]:
+    b = found.backend
+    sides = b.new_stream(CPU), b.new_stream(CPU)
+    for side in sides:
+        b.wait_event(side, b.record_event(MAIN))
+        b.record_stream(x, side)
+    return sides
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "races"),
+    [
+        ((slice(0, 4), slice(None)), (slice(4, 8), slice(None)), False),  # row halves
+        ((slice(0, 5), slice(None)), (slice(3, 8), slice(None)), True),  # rows 3 and 4 overlap
+        # Column halves interleave in memory: their byte ranges overlap, so the checker
+        # (which keeps one range per access, not every element) reports them.
+        ((slice(None), slice(0, 2)), (slice(None), slice(2, 4)), True),
+    ],
+    ids=["disjoint_rows", "overlapping_rows", "interleaved_columns"],
+)
+def test_writes_to_parts_of_one_storage_race_only_where_their_bytes_overlap(
+    first: tuple[slice, slice], second: tuple[slice, slice], races: bool
+) -> None:
+    with detect() as found:
+        x = torch.zeros(8, 4)
+        b = found.backend
+        sides = _two_sides(found, x)
+        for side, part, value in zip(sides, (first, second), (1.0, 2.0), strict=True):
+            b.set_stream(side)
+            x[part].fill_(value)
+        b.set_stream(MAIN)
+        for side in sides:
+            b.wait_event(MAIN, b.record_event(side))
+        host_read(x)
+    if races:
+        assert [(str(r.kind), r.earlier.stream, r.later.stream) for r in found.races] == [
+            ("write-after-write", "side1", "side2")
+        ]
+    else:
+        assert found.ok, found.races
+
+
+class Half(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        return dst.copy_(self.lin(x))
+
+
+class Halves(nn.Module):
+    """Two stages that each write their half of one buffer the parent made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top, self.bottom = Half(), Half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffer = x.new_zeros(2, x.shape[0], 4)
+        self.top(x, buffer[0])
+        self.bottom(x, buffer[1])
+        return buffer
+
+
+def test_a_model_writing_its_halves_on_two_streams_is_clean() -> None:
+    report = check(Halves(), torch.randn(3, 4), streams=2)
+    assert report.ok, str(report)
+    rows = {row.stream: row for row in report.ops}
+    assert rows["side1"].forward > 0 and rows["side2"].forward > 0

@@ -227,7 +227,7 @@ class Detection:
                 use.is_write,
                 seq,
             )
-            tracker.access(use.key, stream, access)
+            tracker.access(use.key, stream, access, use.span)
 
     def _freed(self, key: int) -> None:
         # The storage's memory is going back to the allocator: a later tensor at this

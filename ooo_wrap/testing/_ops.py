@@ -8,7 +8,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorUse", "is_view_only", "storage_key", "tensor_uses", "tensors_of", "written_keys"]
+__all__ = [
+    "TensorUse",
+    "byte_span",
+    "is_view_only",
+    "storage_key",
+    "tensor_uses",
+    "tensors_of",
+    "written_keys",
+]
 
 # Tensors made from host data (torch.tensor, as_tensor, from_numpy, the scalar of
 # ``t[i] = 3``) are allocated outside the dispatcher, which shows them only as this
@@ -32,6 +40,21 @@ class TensorUse:
     key: int
     is_write: bool
     fresh: bool
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The bytes of the storage from the tensor's first element to its last."""
+        return byte_span(self.tensor)
+
+
+def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """Bytes ``[start, end)`` of ``tensor``'s storage its elements lie in (empty if none)."""
+    size = tensor.element_size()
+    start = int(tensor.storage_offset()) * size
+    if tensor.numel() == 0:
+        return (start, start)
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return (start, start + (int(last) + 1) * size)
 
 
 def storage_key(tensor: torch.Tensor) -> int | None:

@@ -3,18 +3,27 @@
 Pure data: streams are any hashable ids and storages plain ints, so tests can drive it
 with fake ids. Each stream has a vector clock (its own op count plus, per other stream,
 the latest op of that stream it is known to run after); recording an event snapshots a
-clock and waiting on it merges the snapshot. Per storage it keeps the last write and the
-latest read per stream since, and which streams the allocator was told about.
+clock and waiting on it merges the snapshot. Per storage it keeps the writes and, per
+stream, the reads that nothing later has covered, each with the byte range it touched,
+and which streams the allocator was told about.
+
+Byte ranges: an access covers the bytes from its tensor's first to its last element, so
+writes to disjoint slices (the two halves of a buffer) do not conflict, and overlapping
+ones do. A strided view that interleaves with another (column halves of a row-major
+matrix) spans bytes the other uses: one range per access keeps the bookkeeping small,
+at the price of reporting such pairs, as the CUDA Stream Sanitizer (whole storages) does.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Hashable, KeysView, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 __all__ = [
+    "WHOLE",
     "Access",
     "AllocatorHazard",
     "Clock",
@@ -30,6 +39,8 @@ __all__ = [
 StreamId: TypeAlias = Hashable
 StorageId: TypeAlias = int
 Clock: TypeAlias = Mapping[StreamId, int]
+Span: TypeAlias = tuple[int, int]  # bytes [start, end) of a storage
+WHOLE: Span = (0, sys.maxsize)
 Phase: TypeAlias = Literal["forward", "backward", "step"]
 
 
@@ -121,6 +132,7 @@ class _Use:
     stream: StreamId
     time: int
     access: Access
+    span: Span
 
 
 @dataclass
@@ -129,8 +141,8 @@ class _StorageState:
     long_lived: bool = False
     recorded: set[StreamId] = field(default_factory=set)
     reported: set[StreamId] = field(default_factory=set)
-    last_write: _Use | None = None
-    reads: dict[StreamId, _Use] = field(default_factory=dict)
+    writes: list[_Use] = field(default_factory=list)
+    reads: dict[StreamId, list[_Use]] = field(default_factory=dict)
 
 
 class StreamTracker:
@@ -198,14 +210,19 @@ class StreamTracker:
         """The allocator was told that ``stream`` uses ``storage``."""
         self._state(storage).recorded.add(stream)
 
-    def access(self, storage: StorageId, stream: StreamId, access: Access) -> None:
-        """Check one access against the storage's history, then add it to the history.
+    def access(
+        self, storage: StorageId, stream: StreamId, access: Access, span: Span = WHOLE
+    ) -> None:
+        """Check one access (of the bytes ``span``) against the storage's history, then add
+        it to the history.
 
         Call :meth:`tick` for the op first: the access happens at the stream's current time.
         """
+        if span[0] >= span[1]:
+            return  # no bytes: nothing to conflict with
         state = self._state(storage)
         clock = self._clocks.setdefault(stream, {})
-        now = _Use(stream, clock.get(stream, 0), access)
+        now = _Use(stream, clock.get(stream, 0), access, span)
         if (
             stream != state.allocated_on
             and stream not in state.recorded
@@ -214,19 +231,31 @@ class StreamTracker:
         ):
             state.reported.add(stream)
             self._hazard(AllocatorHazard(access, str(state.allocated_on)))
-        last = state.last_write
         if access.is_write:
-            for read in state.reads.values():
-                if not _ordered(read, clock, stream):
-                    self._race(RaceKind.WRITE_AFTER_READ, read.access, access)
-            if last is not None and not _ordered(last, clock, stream):
-                self._race(RaceKind.WRITE_AFTER_WRITE, last.access, access)
-            state.last_write = now
-            state.reads.clear()
+            for reads in state.reads.values():
+                for read in reads:
+                    if _overlap(read.span, span) and not _ordered(read, clock, stream):
+                        self._race(RaceKind.WRITE_AFTER_READ, read.access, access)
+            self._check_writes(state, now, clock, RaceKind.WRITE_AFTER_WRITE)
+            # What this write covers, later accesses need not be checked against.
+            state.writes = [w for w in state.writes if not _covers(span, w.span)]
+            state.writes.append(now)
+            for other in list(state.reads):
+                kept = [r for r in state.reads[other] if not _covers(span, r.span)]
+                if kept:
+                    state.reads[other] = kept
+                else:
+                    del state.reads[other]
         else:
-            if last is not None and not _ordered(last, clock, stream):
-                self._race(RaceKind.READ_AFTER_WRITE, last.access, access)
-            state.reads[stream] = now
+            self._check_writes(state, now, clock, RaceKind.READ_AFTER_WRITE)
+            # An earlier read on this stream that this one covers is ordered before it.
+            reads = state.reads.get(stream, [])
+            state.reads[stream] = [r for r in reads if not _covers(span, r.span)] + [now]
+
+    def _check_writes(self, state: _StorageState, now: _Use, clock: Clock, kind: RaceKind) -> None:
+        for write in state.writes:
+            if _overlap(write.span, now.span) and not _ordered(write, clock, now.stream):
+                self._race(kind, write.access, now.access)
 
     def _state(self, storage: StorageId) -> _StorageState:
         state = self._storages.get(storage)
@@ -246,6 +275,14 @@ class StreamTracker:
         if key not in self._seen:
             self._seen.add(key)
             self.hazards.append(hazard)
+
+
+def _overlap(a: Span, b: Span) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def _covers(outer: Span, inner: Span) -> bool:
+    return outer[0] <= inner[0] and inner[1] <= outer[1]
 
 
 def _ordered(use: _Use, clock: Mapping[StreamId, int], stream: StreamId) -> bool:
