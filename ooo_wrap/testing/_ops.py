@@ -15,6 +15,7 @@ __all__ = [
     "storage_key",
     "tensor_uses",
     "tensors_of",
+    "unwrap",
     "written_keys",
 ]
 
@@ -57,11 +58,29 @@ def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     return (start, start + (int(last) + 1) * size)
 
 
+def unwrap(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor holding the memory of a functorch wrapper (``vmap``, ``torch.func.grad``,
+    functionalization), or ``tensor`` itself.
+
+    Wrappers have no storage of their own. torch has no public call that unwraps them;
+    this is the one ``torch._functorch`` uses itself.
+    """
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(tensor) or functorch.is_functionaltensor(tensor):
+        inner: torch.Tensor = functorch.get_unwrapped(tensor)
+        if inner is tensor:
+            break
+        tensor = inner
+    return tensor
+
+
 def storage_key(tensor: torch.Tensor) -> int | None:
     """The address of ``tensor``'s storage (shared by its views), or ``None`` if it has none.
 
     Empty storages are left out: they all sit at address 0 and hold nothing to race on.
+    A functorch wrapper counts as the tensor it wraps.
     """
+    tensor = unwrap(tensor)
     if tensor.layout != torch.strided or tensor.device.type == "meta":
         return None
     storage = tensor.untyped_storage()
