@@ -140,3 +140,23 @@ def test_ops_of_another_thread_are_seen(joined: bool) -> None:
         assert [(r.kind, r.earlier.op, r.later.op) for r in found.races] == [
             (RAW, "aten.add_.Tensor", "aten.sum.default")
         ]
+
+
+@pytest.mark.parametrize(
+    ("version", "noted"),
+    [("2.13.0+cpu", False), ("2.9.1", False), ("2.8.0", True), ("2.14.0a0", True), ("3.0", True)],
+)
+def test_the_report_notes_a_torch_outside_the_checked_range(
+    monkeypatch: pytest.MonkeyPatch, version: str, noted: bool
+) -> None:
+    monkeypatch.setattr(torch, "__version__", version)
+    report = check(nn.Linear(4, 4), torch.randn(2, 4), streams=1, steps=1)
+    notes = [note for note in report.notes if "engine model was checked against" in note]
+    if noted:
+        assert notes == [
+            f"torch {version} is installed; the checker's autograd engine model was checked "
+            "against torch 2.9 to 2.13: backward findings may not match its engine"
+        ]
+        assert f"note: torch {version} is installed" in str(report)
+    else:
+        assert notes == []

@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from .._errors import OOOConfigError
 from .._wrap import OOOModule, events_for
 from ._detect import DetectingBackend, Detection, detect
+from ._engine import CHECKED_TORCH
 from ._report import CheckReport, ParityEntry, count_ops
 
 __all__ = ["check"]
@@ -77,6 +78,9 @@ def check(
     wrapped = OOOModule(copy.deepcopy(model), streams, stages=stages, backend=backend)
     plain = copy.deepcopy(model)
     notes = tuple(str(event) for event in events_for(wrapped))
+    version_note = torch_version_note()
+    if version_note is not None:
+        notes += (version_note,)
     wrapped_inputs, plain_inputs = _fresh(inputs), _fresh(inputs)
     with detect(backend, keep_alive=[wrapped]) as found:
         handles = _label_stages(wrapped, found)
@@ -96,6 +100,21 @@ def check(
         notes=notes,
         steps=steps,
     )
+
+
+def torch_version_note(version: str | None = None) -> str | None:
+    """A line for the report when torch (default: the installed one) is outside the
+    releases the engine model was checked against (``CHECKED_TORCH``), else ``None``."""
+    version = torch.__version__ if version is None else version
+    (a, b), (c, d) = CHECKED_TORCH
+    checked = f"the checker's autograd engine model was checked against torch {a}.{b} to {c}.{d}"
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return f"cannot read the torch version {version!r}; {checked}"
+    if CHECKED_TORCH[0] <= (major, minor) <= CHECKED_TORCH[1]:
+        return None
+    return f"torch {version} is installed; {checked}: backward findings may not match its engine"
 
 
 def _train(
