@@ -197,3 +197,24 @@ def test_a_model_writing_its_halves_on_two_streams_is_clean() -> None:
     assert report.ok, str(report)
     rows = {row.stream: row for row in report.ops}
     assert rows["side1"].forward > 0 and rows["side2"].forward > 0
+
+
+def test_a_tensor_from_host_data_at_a_reused_address_starts_a_new_history() -> None:
+    # Adam's step counters (torch.tensor(0.0)) and T5's _shift_right hit this: the
+    # allocator hands a side stream's freed block to a tensor made from host data.
+    for _ in range(50):
+        with detect() as found:
+            side = _to_side(found)
+            old = torch.empty(1024).fill_(2)  # written on side1, then freed
+            address = old.data_ptr()
+            del old
+            torch.zeros(1)  # any op: nothing holds old any longer
+            found.backend.set_stream(MAIN)  # no join: side1 may still be busy with old
+            step = torch.tensor([0.0] * 1024)
+            reused = step.data_ptr() == address
+            step.add_(1)
+            _join(found, side)
+        if reused:
+            assert found.ok, (found.races, found.allocator_hazards)
+            return
+    pytest.skip("the CPU allocator never reused the freed address here")
