@@ -176,10 +176,7 @@ class Detection:
         self._engine.catch_up()
         if is_view_only(func):
             # No kernel, no access: only the autograd node it may create matters.
-            if _makes_nodes(args, kwargs):
-                self._engine.created(list(tensors_of(out)), self.stream_now(), self._stage_now())
-            else:
-                self._engine.flush()
+            self._engine.created(list(tensors_of(out)), self.stream_now(), self._stage_now())
             return
         uses = tensor_uses(func, args, kwargs, out, before)
         consumer = self._engine.accumulation_target(u.key for u in uses if not u.fresh)
@@ -188,10 +185,7 @@ class Detection:
         else:
             stream, stage = self.stream_now(), self._stage_now()
         self._record(str(func), stream, stage, uses)
-        if _makes_nodes(args, kwargs):
-            self._engine.created(list(tensors_of(out)), stream, stage)
-        else:
-            self._engine.flush()
+        self._engine.created(list(tensors_of(out)), stream, stage)
 
     def _host_read(self, tensor: torch.Tensor) -> None:
         with self._lock:
@@ -247,18 +241,6 @@ class Detection:
         for finalizer in self._watched.values():
             finalizer.detach()
         self._watched.clear()
-
-
-def _makes_nodes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether autograd may give the op's results a node (so they are held until tagged).
-
-    Autograd records an op only in grad mode with an input that requires grad; holding
-    every other result until the next op would delay frees and change address reuse.
-    """
-    if not torch.is_grad_enabled():
-        return False
-    values = [*args, *kwargs.values()]
-    return any(t.requires_grad for value in values for t in tensors_of(value))
 
 
 def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
