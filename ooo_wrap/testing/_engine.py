@@ -315,6 +315,7 @@ class EngineModel:
                 break
         if not self._stack:
             self._buffered.clear()
+            self._finished = None
         self._window = []
         self._host.switch_stream(frame.caller)
         self._stage = frame.stage_before
