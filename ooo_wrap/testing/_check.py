@@ -74,6 +74,7 @@ def check(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise OOOConfigError(f"steps must be a positive int, got {steps!r}")
     backend = DetectingBackend()
+    model = _materialized(model, inputs)
     wrapped = OOOModule(copy.deepcopy(model), streams, stages=stages, backend=backend)
     plain = copy.deepcopy(model)
     notes = tuple(str(event) for event in events_for(wrapped))
@@ -96,6 +97,19 @@ def check(
         notes=notes,
         steps=steps,
     )
+
+
+def _materialized(model: nn.Module, inputs: tuple[Any, ...]) -> nn.Module:
+    """``model``, or if it has lazy parameters (``nn.LazyLinear`` before its first forward)
+    a copy materialized by one no-grad forward, so both checked copies start equal."""
+    lazy = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
+    if not any(isinstance(t, lazy) for t in (*model.parameters(), *model.buffers())):
+        return model
+    ready = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(_SEED)
+        ready(*_fresh(inputs))
+    return ready
 
 
 def _train(
