@@ -54,6 +54,8 @@ def check(
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
+        Where the wrapper falls back (e.g. fewer than two stages) there is nothing to
+        check: ``report.ok`` is false and ``report.not_checked`` says why.
 
     Raises:
         OOOConfigError: ``model`` is already wrapped, ``steps`` is not a positive int,
@@ -96,7 +98,17 @@ def check(
         trace=records,
         notes=notes,
         steps=steps,
+        not_checked=_not_checked(wrapped),
     )
+
+
+def _not_checked(wrapped: nn.Module) -> str | None:
+    """Why nothing was checked, if the wrapper fell back and left the copy untouched."""
+    if isinstance(wrapped, OOOModule):
+        return None
+    events = events_for(wrapped)
+    why = f"{events[-1].reason}: {events[-1].message}" if events else "the model was not wrapped"
+    return f"the wrapper fell back ({why}), so no side stream ran and nothing was checked"
 
 
 def _materialized(model: nn.Module, inputs: tuple[Any, ...]) -> nn.Module:

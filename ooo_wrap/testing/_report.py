@@ -59,6 +59,9 @@ class CheckReport:
         trace: every op in order, for :meth:`save_trace`.
         notes: what the wrapper decided (e.g. why it fell back), one line each.
         steps: training steps run.
+        not_checked: why nothing was checked, when the wrapper fell back (the model then
+            ran with standard backward, so there were no side streams to check); ``None``
+            when the wrapped model was checked.
 
     Example::
 
@@ -75,17 +78,22 @@ class CheckReport:
     trace: tuple[OpRecord, ...]
     notes: tuple[str, ...]
     steps: int
+    not_checked: str | None = None
 
     @property
     def ok(self) -> bool:
-        """No race, no allocator hazard, and bitwise parity with the plain run."""
+        """Something was checked, with no race, no allocator hazard, and bitwise parity
+        with the plain run."""
         return (
-            not self.races
+            self.not_checked is None
+            and not self.races
             and not self.allocator_hazards
             and all(entry.exact for entry in self.parity)
         )
 
     def __str__(self) -> str:
+        if self.not_checked is not None:
+            return f"ooo_wrap check: NOT CHECKED: {self.not_checked}"
         verdict = "OK" if self.ok else "FAILED"
         lines = [
             f"ooo_wrap check: {verdict} ({self.steps} steps; {len(self.races)} races, "
