@@ -167,10 +167,10 @@ def test_no_warning_with_a_backend_given_or_for_other_reasons() -> None:
 
 
 def test_wrapping_on_the_cpu_without_an_accelerator_stays_quiet(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if torch.accelerator.is_available():
-        pytest.skip("this machine has an accelerator")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(ooo_wrap._wrap, "_warned_cpu_with_accelerator", False, raising=False)
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="ooo_wrap"):
         warnings.simplefilter("error")
         OOOModule(Towers())
@@ -195,7 +195,8 @@ def test_runtime_events_are_logged_once_per_kind(caplog: pytest.LogCaptureFixtur
     assert "bypassed/disabled" in record.getMessage()
 
 
-def test_a_fallback_never_warns() -> None:
+def test_a_fallback_never_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         OOOModule(Towers())
