@@ -421,3 +421,10 @@ def test_bad_stage_names_raise_at_wrap_time_and_leave_the_model() -> None:
     assert type(model) is Towers
     assert hook_snapshot(model) == hooks
     assert ooo_wrap.events_for(model) == ()
+
+
+def test_the_table_header_counts_in_the_singular_and_plural() -> None:
+    one = ooo_wrap.plan(nn.Sequential(nn.Linear(2, 2)))
+    assert str(one).splitlines()[0].startswith("Plan: 1 stage on 1 side stream (max 4;")
+    two = ooo_wrap.plan(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), streams=1)
+    assert str(two).splitlines()[0].startswith("Plan: 2 stages on 1 side stream (max 1;")
