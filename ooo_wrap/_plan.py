@@ -82,9 +82,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def plural(count: int, noun: str) -> str:
-    """``"1 stage"``, ``"2 stages"``."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+def plural(count: int, noun: str, suffix: str = "s") -> str:
+    """``"1 stage"``, ``"2 stages"``; ``suffix="es"`` for ``"2 mismatches"``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{suffix}"
 
 
 def check_streams(streams: object, where: str = "streams") -> int:

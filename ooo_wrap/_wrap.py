@@ -20,7 +20,7 @@ from ._compat import is_compiled_module
 from ._errors import OOOConfigError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
 from ._options import WrapOptions
-from ._plan import Plan, plan
+from ._plan import Plan, plan, plural
 from ._profiling import ProfiledScheduler
 from ._scheduler import Scheduler
 from ._stats import Counters, OOOStats
@@ -345,7 +345,8 @@ def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Ba
         OOOEvent(
             EventKind.ENABLED,
             backend.name,
-            f"{len(the_plan.stages)} stages on {the_plan.num_streams} side streams "
+            f"{plural(len(the_plan.stages), 'stage')} on "
+            f"{plural(the_plan.num_streams, 'side stream')} "
             f"({device}, {backend.name} backend)",
         ),
         level=logging.INFO,

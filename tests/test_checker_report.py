@@ -151,3 +151,10 @@ def test_a_wrapped_model_is_checked() -> None:
     report = check(Towers(), torch.randn(3, 6))
     assert report.not_checked is None
     assert report.ok, str(report)
+
+
+def test_the_verdict_counts_in_the_singular_and_plural() -> None:
+    report = check(Towers(), torch.randn(3, 6), steps=1)
+    assert str(report).splitlines()[0] == (
+        "ooo_wrap check: OK (1 step; 0 races, 0 allocator hazards, 0 parity mismatches)"
+    )

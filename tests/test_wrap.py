@@ -361,3 +361,8 @@ def test_a_submodule_named_events_and_an_attribute_named_stats_stay_the_models()
     assert model.stats == {"calls": 10}
     assert model.unwrap() is model
     assert model.events is submodule
+
+
+def test_the_enabled_event_counts_in_the_singular() -> None:
+    model = OOOModule(make_two_towers(), streams=1, backend=SimulatedBackend())
+    assert model.events[0].message.startswith("2 stages on 1 side stream (cpu,")

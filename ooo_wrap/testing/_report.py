@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._errors import OOOError
+from .._plan import plural
 from ._tracker import AllocatorHazard, OpRecord, Race
 
 __all__ = ["CheckFailed", "CheckReport", "ParityEntry", "StreamOps", "count_ops"]
@@ -96,9 +97,10 @@ class CheckReport:
             return f"ooo_wrap check: NOT CHECKED: {self.not_checked}"
         verdict = "OK" if self.ok else "FAILED"
         lines = [
-            f"ooo_wrap check: {verdict} ({self.steps} steps; {len(self.races)} races, "
-            f"{len(self.allocator_hazards)} allocator hazards, "
-            f"{sum(not p.exact for p in self.parity)} parity mismatches)"
+            f"ooo_wrap check: {verdict} ({plural(self.steps, 'step')}; "
+            f"{plural(len(self.races), 'race')}, "
+            f"{plural(len(self.allocator_hazards), 'allocator hazard')}, "
+            f"{plural(sum(not p.exact for p in self.parity), 'parity mismatch', 'es')})"
         ]
         lines += [f"  note: {note}" for note in self.notes]
         if self.ops:
