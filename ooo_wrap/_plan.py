@@ -102,9 +102,10 @@ def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = N
 
     Stage names come from ``stages`` if given, else from ``model.ooo_stage_names``, else
     from automatic expansion: parameter-free children are skipped, ``ModuleList`` and
-    ``ModuleDict`` are expanded into their children, any other child is one stage, and a
-    level that yields a single stage with children is descended into. Streams are
-    assigned round-robin in stage order.
+    ``ModuleDict`` are expanded into their children, any other child is one stage, a
+    candidate that lies inside another (a module registered under two names) is dropped,
+    and a level that yields a single stage with children is descended into. Stages may
+    share sub-modules but not nest. Streams are assigned round-robin in stage order.
 
     Args:
         model: the model to plan for.
@@ -115,8 +116,9 @@ def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = N
         The :class:`Plan`; ``print(plan)`` shows it as a table.
 
     Raises:
-        OOOConfigError: ``model`` is not a module, ``streams`` is not a positive int, or
-            a stage name is unknown, repeated, the root, or overlaps another stage.
+        OOOConfigError: ``model`` is not a module, ``streams`` is not a positive int,
+            the names given are empty, or a stage name is unknown, repeated, the root, a
+            ``ModuleList``/``ModuleDict`` (never called), or nested with another stage.
 
     Example::
 
@@ -203,8 +205,9 @@ def _outermost(model: nn.Module, names: list[str]) -> list[str]:
 
     A module registered under two names (T5's ``shared`` embedding is also
     ``encoder.embed_tokens``) would otherwise be a stage inside a stage. Candidates that
-    merely share a sub-module (two towers over one embedding) stay separate stages:
-    like tied weights, a shared sub-module is only read by both.
+    merely share a sub-module (two towers over one embedding) stay separate stages, as
+    tied weights do: forward joins each stage back before the next one starts, and the
+    autograd engine orders the accumulation of the shared gradients.
     """
     modules = [model.get_submodule(name) for name in names]
     inside: set[int] = set()  # ids of modules strictly inside some candidate

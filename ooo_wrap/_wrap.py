@@ -69,13 +69,17 @@ _FALLBACK_MESSAGES = {
 class OOOModule(nn.Module):
     """Out-of-order backprop for ``model``, in place: ``model = OOOModule(model, streams=4)``.
 
-    Each stage (a disjoint sub-module) runs its forward on a side stream, so autograd runs
+    Each stage (a sub-module; stages may share sub-modules but not nest) runs its forward
+    on a side stream, so autograd runs
     its backward there too and independent branches overlap, with the same gradients.
     The model object is returned with its class swapped to a cached subclass
     ``OOO<ClassName>``: ``isinstance`` checks, parameter names and ``state_dict()`` keys
     are unchanged. Where the scheme cannot help (CPU or MPS model, no accelerator, fewer
     than two stages, a compiled or TorchScript model) the model is returned untouched and
-    :func:`events_for` says why.
+    :func:`events_for` says why; the device is checked first, so a CPU model falls back
+    whatever its layout (with a one-time warning if an accelerator is available). Code
+    that rebuilds a wrapped module through its class (``model[0:2]``, ``type(model)(...)``)
+    gets a plain module of the original class.
 
     Args:
         model: the model to wrap.
@@ -93,8 +97,9 @@ class OOOModule(nn.Module):
     Raises:
         OOOConfigError: ``model`` is not a module, is already wrapped or is a
             ``DistributedDataParallel`` (wrap first, then DDP), ``streams`` is not a
-            positive int, ``profile_ranges`` is not a bool, or a stage name is unknown,
-            repeated, the root or overlapping.
+            positive int, ``profile_ranges`` is not a bool, ``backend`` is not a
+            backend, or the stage names are empty, unknown, repeated, the root, a
+            container or nested (see :func:`ooo_wrap.plan`).
 
     Example::
 
