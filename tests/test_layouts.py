@@ -58,7 +58,7 @@ def test_shared_layouts_wrap_train_and_check_clean(factory: type[nn.Module]) -> 
     assert model.stats.stage_calls == 2
     report = check(factory(), tokens())
     assert report.ok, str(report)
-    assert not any("not checked" in note for note in report.notes)
+    assert report.not_checked is None
 
 
 def test_user_named_towers_may_share_a_sub_module() -> None:
@@ -182,6 +182,11 @@ def test_a_stage_never_called_is_reported_once_after_the_forward(
     logged = [r for r in caplog.records if "stage_not_called" in r.getMessage()]
     assert len(logged) == 1
     assert "[group]" in logged[0].getMessage()
+
+
+def test_check_notes_a_stage_never_called() -> None:
+    report = check(Grouped(), torch.randn(3, 2))
+    assert any(note.startswith("stage_not_called/not_called [group]") for note in report.notes)
 
 
 def test_every_stage_called_reports_nothing() -> None:

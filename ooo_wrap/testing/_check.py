@@ -79,7 +79,6 @@ def check(
     model = _materialized(model, inputs)
     wrapped = OOOModule(copy.deepcopy(model), streams, stages=stages, backend=backend)
     plain = copy.deepcopy(model)
-    notes = tuple(str(event) for event in events_for(wrapped))
     wrapped_inputs, plain_inputs = _fresh(inputs), _fresh(inputs)
     with detect(backend, keep_alive=[wrapped]) as found:
         handles = _label_stages(wrapped, found)
@@ -89,6 +88,8 @@ def check(
             for handle in handles:
                 handle.remove()
     reference = _train(plain, plain_inputs, loss_fn, steps, None)
+    # After training, so that what happened in the steps (a stage never called) is there.
+    notes = tuple(str(event) for event in events_for(wrapped))
     records = found.ops
     return CheckReport(
         races=found.races,
