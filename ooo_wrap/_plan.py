@@ -247,7 +247,8 @@ def _resolve(model: nn.Module, names: list[str]) -> list[nn.Module]:
             )
         if name not in known:
             raise OOOConfigError(
-                f"no submodule {name!r} in {type(model).__name__}{did_you_mean(name, known)} "
+                f"no submodule {name!r} in {type(model).__name__}"
+                f"{did_you_mean(name, _stageable(known))} "
                 "(print(dict(model.named_modules())) lists the names)"
             )
         if name in names[: len(modules)]:
@@ -274,6 +275,11 @@ def _resolve(model: nn.Module, names: list[str]) -> list[nn.Module]:
         inside.update((id(m), name) for m in module.modules() if m is not module)
         modules.append(module)
     return modules
+
+
+def _stageable(known: dict[str, nn.Module]) -> list[str]:
+    # Suggestions must be accepted in turn: never a container forward does not call.
+    return [n for n, m in known.items() if not isinstance(m, (nn.ModuleList, nn.ModuleDict))]
 
 
 def _count_params(module: nn.Module) -> int:

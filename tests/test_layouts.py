@@ -155,6 +155,12 @@ def test_a_named_container_is_a_config_error_suggesting_its_entries(
         ooo_wrap.plan(Layers(), stages=stages)
 
 
+def test_a_misspelled_name_is_never_answered_with_a_container() -> None:
+    with pytest.raises(OOOConfigError) as info:
+        ooo_wrap.plan(Layers(), stages=["layer", "heads.a"])
+    assert "did you mean 'layers'" not in str(info.value)
+
+
 class Grouped(nn.Module):
     """``group`` only holds ``inner``; forward calls ``inner`` directly, never ``group``."""
 
