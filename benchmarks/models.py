@@ -140,7 +140,7 @@ class ModelSpec:
 
     @classmethod
     def towers(cls, num_towers: int = 8, width: int = 2048, depth: int = 4) -> ModelSpec:
-        """K towers of ``depth`` ``width x width`` layers (the issue's target point by default)."""
+        """K towers of ``depth`` ``width x width`` layers (the towers target point by default)."""
         return cls("towers", num_towers, width, depth)
 
     @classmethod

@@ -31,7 +31,7 @@ CPU_ONLY_MESSAGE = (
     "measured below."
 )
 
-# The issue's targets (GPU, steady state). Reported, never tuned for.
+# The project's GPU targets (steady state), as README lists them. Reported, never tuned for.
 TOWERS_TARGET_SIZE = {"towers": 8, "width": 2048, "depth": 4}
 TOWERS_TARGET_BATCH = 16
 TOWERS_TARGET_SPEEDUP = 1.3
@@ -92,7 +92,7 @@ def _verdict(ok: bool) -> str:
 
 
 def targets_lines(records: Sequence[Record]) -> list[str]:
-    """The issue's three targets, each with what this run measured against it."""
+    """The three GPU targets, each with what this run measured against it."""
     lines = []
     target = [
         r

@@ -80,7 +80,7 @@ def _names(allowed: Sequence[str]) -> Any:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line; defaults are the full sweep, including the issue's target point."""
+    """The command line; defaults are the full sweep, including the towers target point."""
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -152,7 +152,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def build_points(args: argparse.Namespace) -> list[Point]:
     """The sweep: float32 first, then bfloat16; per precision, the families in order given.
 
-    The towers batch sweep starts at the issue's target point (batch 16 by default), so
+    The towers batch sweep starts at the towers target point (batch 16 by default), so
     a run cut short by ``--budget-s`` still has it.
     """
     points: list[Point] = []

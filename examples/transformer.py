@@ -1,8 +1,8 @@
 """A small reference transformer whose stages are its blocks: a mostly sequential chain.
 
 Run: ``python examples/transformer.py``. Each block depends on the one before it, so there
-is little for out-of-order backprop to reorder; this is the seed's "bundled transformer",
-kept as the no-regression reference rather than a showcase. Real side streams on an
+is little for out-of-order backprop to reorder; it is the reference transformer of the
+benchmarks, kept as the no-regression reference rather than a showcase. Real side streams on an
 accelerator, ``SimulatedBackend`` on a CPU-only machine.
 """
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from ._errors import warn_user
 
-__all__ = ["wrapped_class"]
+__all__ = ["build_original", "wrapped_class"]
 
 _API_NAMES = ("events", "plan", "stats", "unwrap")
 
@@ -62,6 +62,8 @@ def wrapped_class(model: nn.Module, cls: type[nn.Module], base: type[nn.Module])
     if key not in _classes:
         namespace: dict[str, Any] = {
             "_ooo_dynamic": True,
+            "_ooo_original": cls,
+            "__new__": _new_blank,
             "__module__": cls.__module__,
             "__qualname__": f"OOO{cls.__qualname__}",
         }
@@ -71,3 +73,29 @@ def wrapped_class(model: nn.Module, cls: type[nn.Module], base: type[nn.Module])
             )
         _classes[key] = type(f"OOO{cls.__name__}", (base, cls), namespace)
     return _classes[key]
+
+
+def _new_blank(cls: type[nn.Module], *args: Any, **kwargs: Any) -> Any:
+    """``OOO<Cls>.__new__``: a blank instance, whatever the arguments.
+
+    Called with none by copy, pickle and DataParallel's replicas, which then fill in the
+    state; called with the original class's arguments by code that rebuilds a module
+    through its class (``sequential[0:2]``, ``type(m)(...)``), after which ``type.__call__``
+    runs ``OOOModule.__init__``, which finishes the job with :func:`build_original`.
+    """
+    original: type[nn.Module] = cls.__dict__["_ooo_original"]
+    return original.__new__(cls)
+
+
+def build_original(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Turn a blank ``OOO<Cls>`` made by ``OOO<Cls>(*args, **kwargs)`` into a plain ``Cls``.
+
+    Like ``FSDPModule.__new__``: rebuilding a wrapped module through its class gives a
+    working module of the original class (unwrapped), not a half-built wrapper. Modules
+    that are already built (the model ``OOOModule(model)`` returns) are left alone.
+    """
+    original = type(module).__dict__.get("_ooo_original")
+    if original is None or vars(module):
+        return
+    module.__class__ = original
+    original.__init__(module, *args, **kwargs)

@@ -1,4 +1,4 @@
-"""``from_config``: the trainer-config entry point with the seed's keys."""
+"""``from_config``: the trainer-config entry point (``ooo_backprop``, ``ooo_streams``)."""
 
 from __future__ import annotations
 

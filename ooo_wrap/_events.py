@@ -20,6 +20,7 @@ class EventKind(enum.Enum):
     SETUP_FAILED = "setup_failed"
     BYPASSED = "bypassed"
     STAGE_FAILED = "stage_failed"
+    STAGE_NOT_CALLED = "stage_not_called"
     UNWRAPPED = "unwrapped"
 
     def __str__(self) -> str:

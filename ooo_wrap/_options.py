@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from typing_extensions import get_protocol_members
+
 from ._backend import Backend
 from ._errors import OOOConfigError
 from ._plan import as_stage_names, check_streams
@@ -38,8 +40,25 @@ class WrapOptions:
         if self.stages is not None:
             # A tuple, normalised once here, so that the frozen options stay immutable.
             object.__setattr__(self, "stages", tuple(as_stage_names(self.stages, "stages=")))
+        if self.backend is not None:
+            _check_backend(self.backend)
         if not isinstance(self.profile_ranges, bool):
             raise OOOConfigError(
                 f"profile_ranges must be True or False, got {self.profile_ranges!r}; "
                 "pass profile_ranges=True to see stage names in profiler traces"
             )
+
+
+def _check_backend(backend: object) -> None:
+    """Raise :class:`OOOConfigError` unless ``backend`` has every member of ``Backend``."""
+    missing = sorted(
+        name
+        for name in get_protocol_members(Backend)
+        if not hasattr(backend, name) or (name != "name" and not callable(getattr(backend, name)))
+    )
+    if missing:
+        raise OOOConfigError(
+            f"backend must be a stream backend (None for the real accelerator, or e.g. "
+            f"ooo_wrap.testing.SimulatedBackend()), got {backend!r} of type "
+            f"{type(backend).__name__}, which lacks {', '.join(missing)}"
+        )

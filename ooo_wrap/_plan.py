@@ -11,7 +11,7 @@ from torch import nn
 
 from ._errors import OOOConfigError, did_you_mean
 
-__all__ = ["Plan", "Stage", "as_stage_names", "check_streams", "plan"]
+__all__ = ["Plan", "Stage", "as_stage_names", "check_streams", "plan", "plural"]
 
 StageSource = Literal["argument", "attribute", "automatic"]
 
@@ -22,15 +22,22 @@ class Stage:
 
     Attributes:
         name: dotted name of the sub-module in the model (as in ``named_modules()``).
-        stream: index of the side stream it runs on, ``0 <= stream < Plan.num_streams``.
+        stream: index of the side stream it runs on, ``0 <= stream < Plan.num_streams``;
+            the plan table and the race checker's report call it ``side<stream + 1>``.
         device: the device of its first parameter or buffer (else the model's).
-        num_params: number of parameter elements in the stage, for display.
+        num_params: number of parameter elements in the stage, for display; parameters
+            of a lazy module not yet run (``nn.LazyLinear``) are not counted.
     """
 
     name: str
     stream: int
     device: torch.device
     num_params: int
+
+    @property
+    def stream_name(self) -> str:
+        """``side1`` for stream 0, ...: the name the race checker's report gives it."""
+        return f"side{self.stream + 1}"
 
 
 @dataclass(frozen=True)
@@ -60,11 +67,12 @@ class Plan:
 
     def __str__(self) -> str:
         header = (
-            f"Plan: {len(self.stages)} stages on {self.num_streams} side streams "
+            f"Plan: {plural(len(self.stages), 'stage')} on "
+            f"{plural(self.num_streams, 'side stream')} "
             f"(max {self.max_streams}; stages from {self.source})"
         )
         rows = [("stage", "stream", "device", "params")]
-        rows += [(s.name, str(s.stream), str(s.device), f"{s.num_params:,}") for s in self.stages]
+        rows += [(s.name, s.stream_name, str(s.device), f"{s.num_params:,}") for s in self.stages]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines = [header]
         for row in rows:
@@ -72,6 +80,11 @@ class Plan:
             cells += [row[2].ljust(widths[2]), row[3].rjust(widths[3])]
             lines.append("  " + "  ".join(cells).rstrip())
         return "\n".join(lines)
+
+
+def plural(count: int, noun: str, suffix: str = "s") -> str:
+    """``"1 stage"``, ``"2 stages"``; ``suffix="es"`` for ``"2 mismatches"``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{suffix}"
 
 
 def check_streams(streams: object, where: str = "streams") -> int:
@@ -89,9 +102,10 @@ def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = N
 
     Stage names come from ``stages`` if given, else from ``model.ooo_stage_names``, else
     from automatic expansion: parameter-free children are skipped, ``ModuleList`` and
-    ``ModuleDict`` are expanded into their children, any other child is one stage, and a
-    level that yields a single stage with children is descended into. Streams are
-    assigned round-robin in stage order.
+    ``ModuleDict`` are expanded into their children, any other child is one stage, a
+    candidate that lies inside another (a module registered under two names) is dropped,
+    and a level that yields a single stage with children is descended into. Stages may
+    share sub-modules but not nest. Streams are assigned round-robin in stage order.
 
     Args:
         model: the model to plan for.
@@ -102,8 +116,9 @@ def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = N
         The :class:`Plan`; ``print(plan)`` shows it as a table.
 
     Raises:
-        OOOConfigError: ``model`` is not a module, ``streams`` is not a positive int, or
-            a stage name is unknown, repeated, the root, or overlaps another stage.
+        OOOConfigError: ``model`` is not a module, ``streams`` is not a positive int,
+            the names given are empty, or a stage name is unknown, repeated, the root, a
+            ``ModuleList``/``ModuleDict`` (never called), or nested with another stage.
 
     Example::
 
@@ -122,6 +137,12 @@ def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = N
         source = "attribute"
     else:
         names, source = _expand(model), "automatic"
+    if source != "automatic" and not names:
+        where = "stages=" if source == "argument" else "model.ooo_stage_names"
+        raise OOOConfigError(
+            f"{where} is empty; name at least two sub-modules, {_suggestion(model)}, "
+            "or leave it out for automatic expansion"
+        )
     modules = _resolve(model, names)
     fallback_device = _device_of(model) or torch.device("cpu")
     planned = tuple(
@@ -129,7 +150,7 @@ def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = N
             name=name,
             stream=index % max_streams,
             device=_device_of(module) or fallback_device,
-            num_params=sum(p.numel() for p in module.parameters()),
+            num_params=_count_params(module),
         )
         for index, (name, module) in enumerate(zip(names, modules, strict=True))
     )
@@ -170,50 +191,104 @@ def _expand_level(module: nn.Module, prefix: str) -> list[str]:
 
 
 def _expand(model: nn.Module) -> list[str]:
-    names = _expand_level(model, "")
+    names = _outermost(model, _expand_level(model, ""))
     while len(names) == 1:
-        inner = _expand_level(model.get_submodule(names[0]), names[0] + ".")
+        inner = _outermost(model, _expand_level(model.get_submodule(names[0]), names[0] + "."))
         if not inner:
             break
         names = inner
     return names
 
 
+def _outermost(model: nn.Module, names: list[str]) -> list[str]:
+    """Drop candidates that lie inside another candidate or repeat an earlier one.
+
+    A module registered under two names (T5's ``shared`` embedding is also
+    ``encoder.embed_tokens``) would otherwise be a stage inside a stage. Candidates that
+    merely share a sub-module (two towers over one embedding) stay separate stages, as
+    tied weights do: forward joins each stage back before the next one starts, and the
+    autograd engine orders the accumulation of the shared gradients.
+    """
+    modules = [model.get_submodule(name) for name in names]
+    inside: set[int] = set()  # ids of modules strictly inside some candidate
+    for module in modules:
+        inside.update(id(inner) for inner in module.modules() if inner is not module)
+    kept: list[str] = []
+    seen: set[int] = set()
+    for name, module in zip(names, modules, strict=True):
+        if id(module) not in inside and id(module) not in seen:
+            kept.append(name)
+        seen.add(id(module))
+    return kept
+
+
+def _suggestion(model: nn.Module) -> str:
+    names = _expand(model)
+    if len(names) >= 2:
+        return f"e.g. {names!r} (the automatic choice)"
+    return "print(dict(model.named_modules())) lists the names"
+
+
 def _resolve(model: nn.Module, names: list[str]) -> list[nn.Module]:
-    """Look up every name; reject unknown, root, repeated and overlapping stages."""
+    """Look up every name; reject unknown, root, container, repeated and nested stages.
+
+    Stages may share a sub-module (like tied weights); a stage may not be, contain or lie
+    inside another stage, since its hooks would then run inside that stage's.
+    """
     known = {name: module for name, module in model.named_modules(remove_duplicate=False) if name}
     modules: list[nn.Module] = []
-    owner: dict[int, str] = {}  # id of every module inside a stage -> that stage's name
+    stage_of: dict[int, str] = {}  # id of each stage module -> its stage name
+    inside: dict[int, str] = {}  # id of every module strictly inside a stage -> that stage
     for name in names:
         if name == "":
             raise OOOConfigError(
-                "the root module cannot be a stage; name its sub-modules instead, "
-                f"e.g. {list(known)[:2]!r}"
+                f"the root module cannot be a stage; name its sub-modules instead, "
+                f"{_suggestion(model)}"
             )
         if name not in known:
             raise OOOConfigError(
-                f"no submodule {name!r} in {type(model).__name__}{did_you_mean(name, known)} "
+                f"no submodule {name!r} in {type(model).__name__}"
+                f"{did_you_mean(name, _stageable(known))} "
                 "(print(dict(model.named_modules())) lists the names)"
             )
         if name in names[: len(modules)]:
             raise OOOConfigError(f"stage {name!r} is listed twice; list each stage once")
         module = known[name]
-        for inner in module.modules():
-            other = owner.get(id(inner))
-            if other is None:
-                continue
-            if inner is module and known[other] is module:
-                relation = f"is the same module as stage {other!r} (registered twice)"
-            elif inner is module:
-                relation = f"is inside stage {other!r}"
-            else:
-                relation = f"contains (part of) stage {other!r}"
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            children = [f"{name}.{child}" for child, _ in module.named_children()]
             raise OOOConfigError(
-                f"stage {name!r} {relation}; stages must be disjoint, so keep only one of them"
+                f"stage {name!r} is a {type(module).__name__}, which forward never calls, so "
+                f"it would never run on its stream; name its entries instead: {children!r}"
             )
-        owner.update((id(inner), name) for inner in module.modules())
+        if id(module) in stage_of:
+            relation = f"is the same module as stage {stage_of[id(module)]!r} (registered twice)"
+        elif id(module) in inside:
+            relation = f"is inside stage {inside[id(module)]!r}"
+        else:
+            contained = [stage_of[id(m)] for m in module.modules() if id(m) in stage_of]
+            relation = f"contains stage {contained[0]!r}" if contained else ""
+        if relation:
+            raise OOOConfigError(
+                f"stage {name!r} {relation}; stages must not nest, so keep only one of them"
+            )
+        stage_of[id(module)] = name
+        inside.update((id(m), name) for m in module.modules() if m is not module)
         modules.append(module)
     return modules
+
+
+def _stageable(known: dict[str, nn.Module]) -> list[str]:
+    # Suggestions must be accepted in turn: never a container forward does not call.
+    return [n for n, m in known.items() if not isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+
+
+def _count_params(module: nn.Module) -> int:
+    # A lazy module's parameters have no size until its first forward.
+    return sum(
+        p.numel()
+        for p in module.parameters()
+        if not isinstance(p, nn.parameter.UninitializedParameter)
+    )
 
 
 def _device_of(module: nn.Module) -> torch.device | None:

@@ -53,6 +53,9 @@ _BYPASS_MESSAGES = {
 }
 
 
+_BYPASSED = -1  # in a root call's set of stage indexes: some stage call ran inline
+
+
 class _Disabled(threading.local):
     depth = 0
 
@@ -82,9 +85,10 @@ def disabled() -> Iterator[None]:
 class _StageRuntime:
     """A planned stage bound to its stream object."""
 
-    __slots__ = ("device", "name", "stream", "stream_index")
+    __slots__ = ("device", "index", "name", "stream", "stream_index")
 
-    def __init__(self, stage: Stage, stream: Stream) -> None:
+    def __init__(self, index: int, stage: Stage, stream: Stream) -> None:
+        self.index = index
         self.name = stage.name
         self.device = stage.device
         self.stream_index = stage.stream
@@ -110,7 +114,9 @@ class _Frame:
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.frames: list[_Frame] = []  # stage calls in flight, innermost last
-        self.calls: list[set[int]] = []  # per root call in flight: stream indexes used
+        # Per root call in flight: indexes of the stages run on their streams, plus
+        # _BYPASSED if a stage call ran inline.
+        self.calls: list[set[int]] = []
 
 
 class Scheduler:
@@ -127,7 +133,10 @@ class Scheduler:
         self._backend = backend
         self._device = plan.stages[0].device
         self._streams = tuple(streams)
-        self._stages = tuple(_StageRuntime(s, self._streams[s.stream]) for s in plan.stages)
+        self._stages = tuple(
+            _StageRuntime(i, s, self._streams[s.stream]) for i, s in enumerate(plan.stages)
+        )
+        self._not_called_reported: set[int] = set()
         self._events = events
         self._counters = counters
         self._local = _ThreadState()
@@ -180,7 +189,15 @@ class Scheduler:
     def _root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or not self._local.calls:
             return
-        used = self._local.calls.pop()
+        called = self._local.calls.pop()
+        # Only after a forward that returned (and ran no stage inline) is a missing stage news.
+        if (
+            len(called) < len(self._stages)
+            and _BYPASSED not in called
+            and sys.exc_info()[1] is None
+        ):
+            self._report_not_called(called)
+        used = {self._stages[i].stream_index for i in called if i != _BYPASSED}
         if not used:
             return
         backend = self._backend
@@ -189,6 +206,27 @@ class Scheduler:
             # 5. The caller's stream waits on all the call's stage streams.
             backend.wait_event(current, backend.record_event(self._streams[index]))
         self._counters.joins += len(used)
+
+    def _report_not_called(self, called: set[int]) -> None:
+        """Say once per stage that a forward finished without calling it: its hooks never
+        ran, so it never ran on its stream (a grouping module forward does not call, or
+        a branch this forward did not take)."""
+        for stage in self._stages:
+            if stage.index in called or stage.index in self._not_called_reported:
+                continue
+            self._not_called_reported.add(stage.index)
+            self._events.add(
+                OOOEvent(
+                    EventKind.STAGE_NOT_CALLED,
+                    "not_called",
+                    "a forward of the model finished without calling this stage, so it did "
+                    "not run on its side stream; if forward never calls it as a module (it "
+                    "only groups others), name the sub-modules forward calls with "
+                    "stages=[...]",
+                    stage=stage.name,
+                ),
+                level=logging.WARNING,
+            )
 
     def _stage_pre_hook(
         self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
@@ -210,6 +248,8 @@ class Scheduler:
             self._counters.bypasses += 1
             self._bypass_event(reason)
             frames.append(_Frame(stage, None))
+            if self._local.calls:
+                self._local.calls[-1].add(_BYPASSED)
             return
         stream = stage.stream
         # 1. s waits on everything queued on ambient so far.
@@ -224,7 +264,7 @@ class Scheduler:
         frames.append(_Frame(stage, ambient))
         calls = self._local.calls
         if calls:
-            calls[-1].add(stage.stream_index)
+            calls[-1].add(stage.index)
         counters = self._counters
         counters.stage_calls += 1
         counters.waits += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections.abc import Sequence
@@ -14,12 +15,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from ._backend import AcceleratorBackend, Backend
-from ._classswap import wrapped_class
+from ._classswap import build_original, wrapped_class
 from ._compat import is_compiled_module
 from ._errors import OOOConfigError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
 from ._options import WrapOptions
-from ._plan import Plan, plan
+from ._plan import Plan, plan, plural
 from ._profiling import ProfiledScheduler
 from ._scheduler import Scheduler
 from ._stats import Counters, OOOStats
@@ -68,13 +69,17 @@ _FALLBACK_MESSAGES = {
 class OOOModule(nn.Module):
     """Out-of-order backprop for ``model``, in place: ``model = OOOModule(model, streams=4)``.
 
-    Each stage (a disjoint sub-module) runs its forward on a side stream, so autograd runs
+    Each stage (a sub-module; stages may share sub-modules but not nest) runs its forward
+    on a side stream, so autograd runs
     its backward there too and independent branches overlap, with the same gradients.
     The model object is returned with its class swapped to a cached subclass
     ``OOO<ClassName>``: ``isinstance`` checks, parameter names and ``state_dict()`` keys
     are unchanged. Where the scheme cannot help (CPU or MPS model, no accelerator, fewer
     than two stages, a compiled or TorchScript model) the model is returned untouched and
-    :func:`events_for` says why.
+    :func:`events_for` says why; the device is checked first, so a CPU model falls back
+    whatever its layout (with a one-time warning if an accelerator is available). Code
+    that rebuilds a wrapped module through its class (``model[0:2]``, ``type(model)(...)``)
+    gets a plain module of the original class.
 
     Args:
         model: the model to wrap.
@@ -92,8 +97,9 @@ class OOOModule(nn.Module):
     Raises:
         OOOConfigError: ``model`` is not a module, is already wrapped or is a
             ``DistributedDataParallel`` (wrap first, then DDP), ``streams`` is not a
-            positive int, ``profile_ranges`` is not a bool, or a stage name is unknown,
-            repeated, the root or overlapping.
+            positive int, ``profile_ranges`` is not a bool, ``backend`` is not a
+            backend, or the stage names are empty, unknown, repeated, the root, a
+            container or nested (see :func:`ooo_wrap.plan`).
 
     Example::
 
@@ -111,15 +117,15 @@ class OOOModule(nn.Module):
         backend: Backend | None = None,
         profile_ranges: bool = False,
     ) -> Any:
-        if cls is not OOOModule:
-            # Code re-creating a wrapped model through its class with no arguments, such as
-            # DataParallel's replicas (copy and pickle use the original class: _serialize.py).
+        if cls is not OOOModule:  # OOO<Cls> has its own __new__ (_classswap.py)
             return super().__new__(cls)
         return _wrap(model, WrapOptions(streams, stages, backend, profile_ranges))
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        # type.__call__ calls __init__ on the returned model: leave it exactly as it is.
-        pass
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # type.__call__ calls __init__ on what __new__ returned: the wrapped model, left
+        # exactly as it is, or a blank OOO<Cls>(...) made by code rebuilding a wrapped
+        # module through its class, which becomes a plain module of the original class.
+        build_original(self, args, kwargs)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Allowed: our own cached OOO<Cls>, and a subclass of one made by another in-place
@@ -260,16 +266,50 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
         return record_fallback(model, "compiled", warn=True)
     if isinstance(model, torch.jit.ScriptModule):
         return record_fallback(model, "unsupported_module")
+    backend = options.backend if options.backend is not None else AcceleratorBackend()
+    # Devices first: a model that cannot use side streams anyway falls back whatever its
+    # layout, without planning it.
+    reasons = [backend.unsupported_reason(device) for device in _devices(model)]
+    if reasons and all(reason is not None for reason in reasons):
+        return _device_fallback(model, str(reasons[0]), options)
     the_plan = plan(model, options.streams, stages=options.stages)
     if len(the_plan.stages) < 2:
         return record_fallback(model, "too_few_stages")
     if len(the_plan.devices) > 1:
         return record_fallback(model, "multi_device")
-    backend = options.backend if options.backend is not None else AcceleratorBackend()
     reason = backend.unsupported_reason(the_plan.devices[0])
     if reason is not None:
-        return record_fallback(model, reason)
+        return _device_fallback(model, reason, options)
     return _install(model, the_plan, options, backend)
+
+
+def _devices(model: nn.Module) -> list[torch.device]:
+    """The distinct devices of the model's parameters and buffers, in model order."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return list(dict.fromkeys(tensor.device for tensor in tensors))
+
+
+_warned_cpu_with_accelerator = False
+
+
+def _device_fallback(model: nn.Module, reason: str, options: WrapOptions) -> nn.Module:
+    """Fall back for the device; warn (once per process) about the natural mistake of
+    wrapping on the CPU and moving the model to the accelerator afterwards."""
+    global _warned_cpu_with_accelerator
+    accelerator = (
+        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    )
+    if reason != "cpu" or options.backend is not None or accelerator is None:
+        return record_fallback(model, reason)
+    record_fallback(model, reason)
+    if not _warned_cpu_with_accelerator:
+        _warned_cpu_with_accelerator = True
+        warn_user(
+            f"ooo_wrap: the model is on the CPU but a {accelerator.type} accelerator is "
+            "available, so OOOModule left it untouched (moving it afterwards does not wrap "
+            f"it); move it first, then wrap: OOOModule(model.to({accelerator.type!r}), ...)"
+        )
+    return model
 
 
 def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Backend) -> nn.Module:
@@ -310,7 +350,8 @@ def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Ba
         OOOEvent(
             EventKind.ENABLED,
             backend.name,
-            f"{len(the_plan.stages)} stages on {the_plan.num_streams} side streams "
+            f"{plural(len(the_plan.stages), 'stage')} on "
+            f"{plural(the_plan.num_streams, 'side stream')} "
             f"({device}, {backend.name} backend)",
         ),
         level=logging.INFO,

@@ -68,3 +68,40 @@ class Leaky(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.left(x).tensor * self.right(x).tensor
+
+
+class SharedEmbeddingTowers(nn.Module):
+    """Two towers over one ``nn.Embedding``, registered in both (and at the root)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(16, 8)
+        self.left = nn.Sequential(self.embedding, nn.Linear(8, 8), nn.Tanh())
+        self.right = nn.Sequential(self.embedding, nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.left(tokens) * self.right(tokens)
+
+
+class _Stack(nn.Module):
+    def __init__(self, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.layer(self.embed_tokens(tokens)))
+
+
+class T5Style(nn.Module):
+    """T5/BART's layout: a root-level ``shared`` embedding that is also the encoder's and
+    the decoder's ``embed_tokens``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(16, 8)
+        self.encoder = _Stack(self.shared)
+        self.decoder = _Stack(self.shared)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.encoder(tokens) + self.decoder(tokens.flip(-1))

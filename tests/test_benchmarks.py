@@ -340,7 +340,18 @@ def test_gpu_check_script_parses() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path of the script")
 def test_gpu_check_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path)}
+    # The kit must run the interpreter it is given (this one), not whatever `python` is
+    # first on PATH: put a broken one there.
+    decoy = tmp_path / "bin"
+    decoy.mkdir()
+    (decoy / "python").write_text("#!/bin/sh\necho 'wrong python on PATH' >&2\nexit 3\n")
+    (decoy / "python").chmod(0o755)
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+        "PATH": f"{decoy}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
         capture_output=True,
@@ -350,4 +361,5 @@ def test_gpu_check_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "no CUDA GPU" in result.stdout + result.stderr
+    assert "wrong python on PATH" not in result.stdout + result.stderr
     assert "pip install" not in (tmp_path / "gpu_check.log").read_text()

@@ -1,4 +1,4 @@
-"""check() guards the real scheduler: remove one protocol step (DESIGN §4) and it reports.
+"""check() guards the real scheduler: remove one step of the per-stage-call protocol and it reports.
 
 Each step is removed by monkeypatching one scheduler hook so that, while it runs, one
 backend method does nothing; the library itself has no switch for this.

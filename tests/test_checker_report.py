@@ -134,8 +134,27 @@ def test_check_rejects_bad_arguments() -> None:
         )
 
 
-def test_a_model_that_falls_back_is_checked_unwrapped_and_says_so() -> None:
+def test_a_model_that_falls_back_is_not_reported_ok_and_says_why() -> None:
     report = check(nn.Sequential(nn.Linear(6, 6)), torch.randn(2, 6))
-    assert report.ok
+    assert not report.ok
+    assert report.not_checked is not None
+    assert "too_few_stages" in report.not_checked
+    assert str(report).startswith("ooo_wrap check: NOT CHECKED: the wrapper fell back")
+    assert "too_few_stages" in str(report).splitlines()[0]
+    with pytest.raises(CheckFailed, match="NOT CHECKED"):
+        report.raise_if_failed()
     assert [row.stream for row in report.ops] == ["default"]
     assert any("too_few_stages" in note for note in report.notes)
+
+
+def test_a_wrapped_model_is_checked() -> None:
+    report = check(Towers(), torch.randn(3, 6))
+    assert report.not_checked is None
+    assert report.ok, str(report)
+
+
+def test_the_verdict_counts_in_the_singular_and_plural() -> None:
+    report = check(Towers(), torch.randn(3, 6), steps=1)
+    assert str(report).splitlines()[0] == (
+        "ooo_wrap check: OK (1 step; 0 races, 0 allocator hazards, 0 parity mismatches)"
+    )

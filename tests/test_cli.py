@@ -42,7 +42,7 @@ def test_plan_prints_the_plan_table(argv: list[str], expected: Any) -> None:
 def test_plan_notes_a_model_that_would_be_left_untouched() -> None:
     result = run_cli("plan", "tests.cli_factories:single_stage")
     assert result.status == 0
-    assert result.out.startswith("Plan: 1 stages")
+    assert result.out.startswith("Plan: 1 stage on 1 side stream (")
     assert result.out.splitlines()[-1].startswith("note: fewer than two stages")
 
 

@@ -53,6 +53,29 @@ def test_a_finding_exits_1_and_prints_the_report() -> None:
     assert result.out.strip()
 
 
+def test_a_model_that_falls_back_exits_1_saying_nothing_was_checked() -> None:
+    result = run_cli("check", "tests.cli_factories:single_stage", "--input", "2x4")
+    assert result.status == 1, result.err
+    first = result.out.splitlines()[0]
+    assert first.startswith("ooo_wrap check: NOT CHECKED: the wrapper fell back")
+    assert "too_few_stages" in first and "nothing was checked" in first
+
+
+@pytest.mark.parametrize(
+    ("factory", "inputs"),
+    [("SharedEmbeddingTowers", ["4x5"]), ("T5Style", ["4x5"])],
+)
+def test_shared_embedding_layouts_plan_and_check(factory: str, inputs: list[str]) -> None:
+    planned = run_cli("plan", f"tests.cli_factories:{factory}")
+    assert (planned.status, planned.err) == (0, "")
+    assert planned.out.startswith("Plan: 2 stages on 2 side streams")
+    checked = run_cli(
+        "check", f"tests.cli_factories:{factory}", "--input", *inputs, "--dtype", "int64"
+    )
+    assert (checked.status, checked.err) == (0, ""), checked.out
+    assert checked.out.startswith("ooo_wrap check: OK")
+
+
 def test_the_doc_race_checks_pass() -> None:
     commands = [c for c in doc_commands() if not c.shown]
     assert commands

@@ -1,4 +1,4 @@
-"""``from_config``: the seed's trainer keys, off by default, typos are errors."""
+"""``from_config``: the trainer-config keys, off by default, typos are errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The seed's failure table: every row leaves a model that trains, and says why."""
+"""The fallback table: every row leaves a model that trains, and says why."""
 
 from __future__ import annotations
 
@@ -135,6 +135,48 @@ def test_fallback_is_logged_at_info_on_the_ooo_wrap_logger(
     assert "disabled/cpu" in records[0].getMessage()
 
 
+@pytest.fixture
+def accelerator_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend a CUDA accelerator is there (the model itself stays on the CPU)."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(ooo_wrap._wrap, "_warned_cpu_with_accelerator", False, raising=False)
+
+
+@pytest.mark.usefixtures("accelerator_available")
+def test_wrapping_on_the_cpu_next_to_an_accelerator_warns_once_naming_the_fix() -> None:
+    model = Towers()
+    with pytest.warns(UserWarning, match=r"move it first, then wrap") as caught:
+        assert OOOModule(model, streams=2) is model
+    (warning,) = caught
+    assert "cuda accelerator is available" in str(warning.message)
+    assert "OOOModule(model.to('cuda'), ...)" in str(warning.message)
+    assert warning.filename == __file__  # attributed to the caller's line
+    assert only_event(model).reason == "cpu"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OOOModule(Towers())  # once: the second model falls back quietly
+
+
+@pytest.mark.usefixtures("accelerator_available")
+def test_no_warning_with_a_backend_given_or_for_other_reasons() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OOOModule(nn.Sequential(nn.Linear(4, 4)), backend=SimulatedBackend())  # too_few
+        OOOModule(Towers().to("meta"))  # no_accelerator
+
+
+def test_wrapping_on_the_cpu_without_an_accelerator_stays_quiet(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(ooo_wrap._wrap, "_warned_cpu_with_accelerator", False, raising=False)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="ooo_wrap"):
+        warnings.simplefilter("error")
+        OOOModule(Towers())
+    assert [r.levelno for r in caplog.records if r.name == "ooo_wrap"] == [logging.INFO]
+
+
 def test_enabled_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="ooo_wrap"):
         OOOModule(make_two_towers(), backend=SimulatedBackend())
@@ -153,7 +195,8 @@ def test_runtime_events_are_logged_once_per_kind(caplog: pytest.LogCaptureFixtur
     assert "bypassed/disabled" in record.getMessage()
 
 
-def test_a_fallback_never_warns() -> None:
+def test_a_fallback_never_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         OOOModule(Towers())

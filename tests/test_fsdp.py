@@ -83,9 +83,62 @@ def _train(model: nn.Module, rank: int, device: torch.device) -> list[dict[str, 
     return history
 
 
+class _HookStreams:
+    """Which virtual stream is current when FSDP's forward hooks run, per module name.
+
+    FSDP2 registers its hooks as bound methods of its (private) state class when
+    ``fully_shard`` runs, so wrapping the class's methods first lets a test watch them.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+        self.backend = SimulatedBackend()  # a fresh one per watched model: side1, side2
+        self.names: dict[int, str] = {}
+        self.seen: list[tuple[str, str, str]] = []  # (hook, module name, stream)
+        self.recording = False
+        for hook in ("_pre_forward", "_post_forward"):
+            setattr(FSDPState, hook, self._spy(hook, getattr(FSDPState, hook), device))
+
+    def _spy(self, hook: str, original: Any, device: torch.device) -> Any:
+        def spy(state: Any, module: nn.Module, *rest: Any) -> Any:
+            if self.recording:
+                stream = str(self.backend.current_stream(device))
+                self.seen.append((hook, self.names.get(id(module), "?"), stream))
+            return original(state, module, *rest)
+
+        return spy
+
+
+def _watch(
+    spy: _HookStreams | None,
+    shard_first: bool,
+    shard: Callable[[nn.Module], None],
+    device: torch.device,
+) -> list[tuple[str, str, str]]:
+    """One forward of a fresh model sharded and wrapped in this order, watched by ``spy``."""
+    if spy is None:
+        return []
+    model = Branches().to(device)
+    if shard_first:
+        shard(model)
+    spy.backend = SimulatedBackend()
+    model = ooo_wrap.OOOModule(model, streams=2, backend=spy.backend)
+    if not shard_first:
+        shard(model)
+    spy.names = {id(m): name or "<root>" for name, m in model.named_modules()}
+    spy.seen, spy.recording = [], True
+    try:
+        model(torch.zeros(6, 8, device=device)).sum().backward()
+    finally:
+        spy.recording = False
+    return list(spy.seen)
+
+
 def _fsdp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]:
     device = torch.device(device_type, rank if device_type == "cuda" else 0)
     backend = SimulatedBackend() if device_type == "cpu" else None
+    spy = _HookStreams(device) if backend is not None else None
     results: dict[str, Any] = {}
     for order, (shard_first, shard) in ORDERS.items():
         torch.manual_seed(0)
@@ -101,6 +154,7 @@ def _fsdp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]
         result: dict[str, Any] = {
             "plain": _train(plain, rank, device),
             "wrapped": _train(model, rank, device),
+            "fsdp_hook_streams": _watch(spy, shard_first, shard, device),
             "stats": model.stats,
             "events": [(event.kind, event.reason) for event in model.events],
             "mro": [cls.__name__ for cls in type(model).__mro__],
@@ -151,6 +205,27 @@ def test_fsdp_order_keeps_stages_on_side_streams(ranks: list[dict[str, Any]], or
     assert result["stats"].bypasses == 0
     assert result["stage_is_fsdp"] == ("_root" not in order)
     assert result["is_fsdp"] == ("_stages" not in order)
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_fsdp_hooks_run_on_the_callers_stream_except_post_forward_when_fsdp_came_first(
+    ranks: list[dict[str, Any]], order: str
+) -> None:
+    # FSDP2 prepends its pre-forward hook, so it runs before the stage's switch to its side
+    # stream in either order. Its post-forward is appended: registered before ours
+    # (fully_shard first), it runs before the stage's stream is switched back.
+    seen = ranks[0][order]["fsdp_hook_streams"]
+    sharded = ["<root>"] if "_root" in order else ["stem", "left", "right"]
+    if "_all" in order:
+        sharded = ["stem", "left", "right", "<root>"]
+    assert sorted({name for _, name, _ in seen}) == sorted(sharded)
+    side = {"stem": "side1", "left": "side2", "right": "side1", "<root>": "default"}
+    fsdp_first = order.startswith("shard_")
+    for hook, name, stream in seen:
+        if hook == "_pre_forward" or not fsdp_first:
+            assert stream == "default", (hook, name)
+        else:
+            assert stream == side[name], (hook, name)
 
 
 def test_fsdp_class_order_follows_wrap_order(ranks: list[dict[str, Any]]) -> None:

@@ -1,4 +1,4 @@
-"""The per-stage-call protocol (DESIGN §4), run on virtual streams with ``SimulatedBackend``."""
+"""The per-stage-call protocol of ``_scheduler.py``, run on virtual streams."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def events_of(model: nn.Module, kind: EventKind) -> list[ooo_wrap.OOOEvent]:
 def _stage_calls(
     side: VirtualStream, tensor_in: str, tensor_out: str, fork: str, join: str
 ) -> list[tuple[str, VirtualStream, str | None, str | None]]:
-    """DESIGN §4 steps 1-5 for one stage call with one tensor in and one out."""
+    """Protocol steps 1-5 for one stage call with one tensor in and one out."""
     return [
         ("current_stream", DEFAULT, None, None),  # ambient
         ("record_event", DEFAULT, fork, None),  # 1. s waits on ambient ...
@@ -94,7 +94,7 @@ def _match(
     assert len(set(bound.values())) == len(bound)  # every event is a fresh one
 
 
-def test_two_tower_forward_log_is_exactly_the_design_sequence() -> None:
+def test_two_tower_forward_log_is_exactly_the_protocol_sequence() -> None:
     backend = SimulatedBackend(keep_all=True)
     model = make_two_towers()
     streams = wrap(model, backend)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,50 @@ def test_the_wrapper_api_is_there() -> None:
     assert model.events == ooo_wrap.events_for(model)
     assert model.stats.forwards == 0
     assert isinstance(model.events, tuple)
+
+
+def wrapped_sequential() -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2))
+    wrapped: nn.Sequential = OOOModule(model, streams=2, backend=SimulatedBackend())
+    assert isinstance(wrapped, OOOModule)
+    return wrapped
+
+
+def test_slicing_a_wrapped_sequential_gives_a_working_plain_sequential() -> None:
+    model = wrapped_sequential()
+    head = model[0:2]
+    assert type(head) is nn.Sequential
+    assert list(head) == [model[0], model[1]]
+    x = torch.randn(3, 4)
+    assert torch.equal(head(x), model[1](model[0](x)))
+    assert isinstance(model, OOOModule)  # the model itself stays wrapped
+    assert torch.equal(model(x), ooo_wrap.unwrap(copy.deepcopy(model))(x))
+
+
+@pytest.mark.parametrize(
+    "args", [(), (nn.Linear(4, 4),), (nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))]
+)
+def test_rebuilding_through_the_class_gives_the_original_class(args: tuple[nn.Module]) -> None:
+    model = wrapped_sequential()
+    rebuilt = type(model)(*args)
+    assert type(rebuilt) is nn.Sequential
+    assert list(rebuilt) == list(args)
+    assert ooo_wrap.events_for(rebuilt) == ()
+    if args:
+        assert rebuilt(torch.randn(2, 4)).shape[0] == 2
+
+
+def test_rebuilding_a_user_class_runs_its_own_init() -> None:
+    model = OOOModule(make_two_towers(), backend=SimulatedBackend())
+    rebuilt = type(model)()
+    assert type(rebuilt) is TwoTowers
+    assert rebuilt(two_tower_input()).shape == model(two_tower_input()).shape
+
+
+def test_rebuilding_with_bad_arguments_raises_the_original_error() -> None:
+    model = wrapped_sequential()
+    with pytest.raises(TypeError):
+        type(model)(3)
 
 
 # --- unwrap ---------------------------------------------------------------------------------
@@ -316,3 +361,8 @@ def test_a_submodule_named_events_and_an_attribute_named_stats_stay_the_models()
     assert model.stats == {"calls": 10}
     assert model.unwrap() is model
     assert model.events is submodule
+
+
+def test_the_enabled_event_counts_in_the_singular() -> None:
+    model = OOOModule(make_two_towers(), streams=1, backend=SimulatedBackend())
+    assert model.events[0].message.startswith("2 stages on 1 side stream (cpu,")

@@ -55,6 +55,8 @@ def check(
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
+        Where the wrapper falls back (e.g. fewer than two stages) there is nothing to
+        check: ``report.ok`` is false and ``report.not_checked`` says why.
 
     Raises:
         OOOConfigError: ``model`` is already wrapped, ``steps`` is not a positive int,
@@ -75,12 +77,9 @@ def check(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise OOOConfigError(f"steps must be a positive int, got {steps!r}")
     backend = DetectingBackend()
+    model = _materialized(model, inputs)
     wrapped = OOOModule(copy.deepcopy(model), streams, stages=stages, backend=backend)
     plain = copy.deepcopy(model)
-    notes = tuple(str(event) for event in events_for(wrapped))
-    version_note = torch_version_note()
-    if version_note is not None:
-        notes += (version_note,)
     wrapped_inputs, plain_inputs = _fresh(inputs), _fresh(inputs)
     with detect(backend, keep_alive=[wrapped]) as found:
         handles = _label_stages(wrapped, found)
@@ -90,6 +89,11 @@ def check(
             for handle in handles:
                 handle.remove()
     reference = _train(plain, plain_inputs, loss_fn, steps, None)
+    # After training, so that what happened in the steps (a stage never called) is there.
+    notes = tuple(str(event) for event in events_for(wrapped))
+    version_note = torch_version_note()
+    if version_note is not None:
+        notes += (version_note,)
     records = found.ops
     return CheckReport(
         races=found.races,
@@ -99,6 +103,7 @@ def check(
         trace=records,
         notes=notes,
         steps=steps,
+        not_checked=_not_checked(wrapped),
     )
 
 
@@ -115,6 +120,28 @@ def torch_version_note(version: str | None = None) -> str | None:
     if CHECKED_TORCH[0] <= (major, minor) <= CHECKED_TORCH[1]:
         return None
     return f"torch {version} is installed; {checked}: backward findings may not match its engine"
+
+
+def _not_checked(wrapped: nn.Module) -> str | None:
+    """Why nothing was checked, if the wrapper fell back and left the copy untouched."""
+    if isinstance(wrapped, OOOModule):
+        return None
+    events = events_for(wrapped)
+    why = f"{events[-1].reason}: {events[-1].message}" if events else "the model was not wrapped"
+    return f"the wrapper fell back ({why}), so no side stream ran and nothing was checked"
+
+
+def _materialized(model: nn.Module, inputs: tuple[Any, ...]) -> nn.Module:
+    """``model``, or if it has lazy parameters (``nn.LazyLinear`` before its first forward)
+    a copy materialized by one no-grad forward, so both checked copies start equal."""
+    lazy = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
+    if not any(isinstance(t, lazy) for t in (*model.parameters(), *model.buffers())):
+        return model
+    ready = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(_SEED)
+        ready(*_fresh(inputs))
+    return ready
 
 
 def _train(

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._errors import OOOError
+from .._plan import plural
 from ._tracker import AllocatorHazard, OpRecord, Race
 
 __all__ = ["CheckFailed", "CheckReport", "ParityEntry", "StreamOps", "count_ops"]
@@ -59,6 +60,9 @@ class CheckReport:
         trace: every op in order, for :meth:`save_trace`.
         notes: what the wrapper decided (e.g. why it fell back), one line each.
         steps: training steps run.
+        not_checked: why nothing was checked, when the wrapper fell back (the model then
+            ran with standard backward, so there were no side streams to check); ``None``
+            when the wrapped model was checked.
 
     Example::
 
@@ -75,22 +79,28 @@ class CheckReport:
     trace: tuple[OpRecord, ...]
     notes: tuple[str, ...]
     steps: int
+    not_checked: str | None = None
 
     @property
     def ok(self) -> bool:
-        """No race, no allocator hazard, and bitwise parity with the plain run."""
+        """Something was checked, with no race, no allocator hazard, and bitwise parity
+        with the plain run."""
         return (
-            not self.races
+            self.not_checked is None
+            and not self.races
             and not self.allocator_hazards
             and all(entry.exact for entry in self.parity)
         )
 
     def __str__(self) -> str:
+        if self.not_checked is not None:
+            return f"ooo_wrap check: NOT CHECKED: {self.not_checked}"
         verdict = "OK" if self.ok else "FAILED"
         lines = [
-            f"ooo_wrap check: {verdict} ({self.steps} steps; {len(self.races)} races, "
-            f"{len(self.allocator_hazards)} allocator hazards, "
-            f"{sum(not p.exact for p in self.parity)} parity mismatches)"
+            f"ooo_wrap check: {verdict} ({plural(self.steps, 'step')}; "
+            f"{plural(len(self.races), 'race')}, "
+            f"{plural(len(self.allocator_hazards), 'allocator hazard')}, "
+            f"{plural(sum(not p.exact for p in self.parity), 'parity mismatch', 'es')})"
         ]
         lines += [f"  note: {note}" for note in self.notes]
         if self.ops:
