@@ -19,13 +19,14 @@ import argparse
 import datetime as dt
 import gc
 import json
+import os
 import platform
 import re
 import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -47,6 +48,7 @@ from benchmarks.report import (  # noqa: E402
 )
 
 OPTIMIZER = "SGD(lr={lr:g}, momentum=0.9)"
+COMMIT_VARIABLE = "OOO_WRAP_COMMIT"  # the commit, for a checkout copied without .git
 
 
 def gpu_available() -> bool:
@@ -183,6 +185,7 @@ def build_points(args: argparse.Namespace) -> list[Point]:
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit; from ``OOO_WRAP_COMMIT`` where there is no ``.git`` (a copy)."""
     try:
         out = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -192,8 +195,8 @@ def _git_commit() -> str | None:
             check=True,
         )
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
+        return os.environ.get(COMMIT_VARIABLE) or None
+    return out.stdout.strip() or os.environ.get(COMMIT_VARIABLE) or None
 
 
 def environment(argv: Sequence[str]) -> dict[str, Any]:
@@ -246,22 +249,79 @@ class Progress:
             self._stream.flush()
 
 
+# A cost model's estimate of one point, ``(plain_ms, wrapped_ms)`` per step, or ``None``.
+Estimator = Callable[[Point], tuple[float, float] | None]
+# The estimator the suite records next to each measurement; ``None`` until a cost model
+# is wired in here, and the JSON's ``estimate`` fields stay ``None`` meanwhile.
+ESTIMATOR: Estimator | None = None
+
+
+def estimate_times(point: Point, estimator: Estimator | None) -> dict[str, Any]:
+    """The estimated plain and wrapped step times of ``point``, stored next to the measurement.
+
+    Every field is ``None`` when no estimator is given or it has no estimate for the point,
+    so a run without a cost model still writes the same JSON shape. The numbers are a
+    model's output, never a measurement: ``source`` names the estimator.
+    """
+    empty: dict[str, Any] = {"plain_ms": None, "wrapped_ms": None, "source": None}
+    if estimator is None:
+        return empty
+    estimate = estimator(point)
+    if estimate is None:
+        return empty
+    plain_ms, wrapped_ms = estimate
+    source = getattr(estimator, "__qualname__", None) or type(estimator).__name__
+    return {"plain_ms": float(plain_ms), "wrapped_ms": float(wrapped_ms), "source": source}
+
+
+def new_report(args: argparse.Namespace, argv: Sequence[str], kind: str) -> dict[str, Any]:
+    """An empty report: where and how, and a list for each way a point can end."""
+    return {
+        "schema": 2,
+        "kind": kind,
+        "complete": False,  # True once every point was tried and the overhead measured
+        "environment": environment(argv),
+        "settings": _settings(args),
+        "points_planned": 0,
+        "results": [],
+        "skipped": [],  # not started: the time budget was spent
+        "out_of_memory": [],  # too big for this GPU: a fact about the GPU, not a failure
+        "errors": [],  # raised: a failed point
+        "fallbacks": [],  # measured, but the wrapper was not active: not a pass
+        "host_overhead": None,
+    }
+
+
 def run_gpu(
-    args: argparse.Namespace, argv: Sequence[str], device: torch.device | None = None
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    device: torch.device | None = None,
+    *,
+    json_path: Path | None = None,
+    estimator: Estimator | None = None,
 ) -> dict[str, Any]:
-    """Measure every point on the GPU (or ``device``); the report as a JSON-ready dict."""
+    """Measure every point on the GPU (or ``device``); the report as a JSON-ready dict.
+
+    With ``json_path`` the report is written after every point, so a run stopped from
+    outside (a time limit) keeps what it measured; ``complete`` says whether it finished.
+    """
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     points = build_points(args)
+    report = new_report(args, argv, "gpu")
+    report["points_planned"] = len(points)
+
+    def save() -> None:
+        if json_path is not None:
+            write_json(report, json_path)
+
+    save()
     progress = Progress()
-    results: list[dict[str, Any]] = []
-    skipped: list[str] = []
-    errors: list[str] = []
     start = time.monotonic()
     for i, point in enumerate(points, 1):
         elapsed = time.monotonic() - start
         if args.budget_s and elapsed > args.budget_s:
-            skipped.append(f"{point} (time budget spent)")
+            report["skipped"].append(str(point))
             continue
         progress.show(f"[{i}/{len(points)} {elapsed:5.0f}s] measuring {point} ...")
         try:
@@ -277,15 +337,23 @@ def run_gpu(
             )
         except torch.cuda.OutOfMemoryError:
             # A size too big for this GPU is a fact about the GPU, not a failed run.
-            skipped.append(f"{point} (out of memory on this GPU)")
+            report["out_of_memory"].append(str(point))
+            progress.show(f"[{i}/{len(points)}] {point}: out of memory on this GPU")
             _release_memory()
+            save()
             continue
         except Exception as error:  # report it with the rest rather than lose the run
-            errors.append(f"{point}: {type(error).__name__}: {error}")
+            report["errors"].append(f"{point}: {type(error).__name__}: {error}")
             progress.show(f"[{i}/{len(points)}] {point}: FAILED: {type(error).__name__}: {error}")
             _release_memory()
+            save()
             continue
-        results.append(record)
+        record["estimate"] = estimate_times(point, estimator)
+        report["results"].append(record)
+        if not record["wrapped"].get("active", False):
+            events = ", ".join(record["wrapped"].get("events", [])) or "no event recorded"
+            report["fallbacks"].append(f"{point}: {events}")
+        save()
         progress.show(
             f"[{i}/{len(points)} {time.monotonic() - start:5.0f}s] {point}: "
             f"plain {record['plain']['median_ms']:.3f} ms, "
@@ -293,18 +361,11 @@ def run_gpu(
         )
     progress.close()
     progress.show("measuring host overhead of the hooks ...")
-    host = overhead.measure(args.overhead_repeats, args.overhead_calls)
+    report["host_overhead"] = overhead.measure(args.overhead_repeats, args.overhead_calls)
     progress.close()
-    return {
-        "schema": 1,
-        "kind": "gpu",
-        "environment": environment(argv),
-        "settings": _settings(args),
-        "results": results,
-        "skipped": skipped,
-        "errors": errors,
-        "host_overhead": host,
-    }
+    report["complete"] = True
+    save()
+    return report
 
 
 def _release_memory() -> None:
@@ -315,18 +376,11 @@ def _release_memory() -> None:
 
 def run_cpu_only(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     """No GPU: only the host overhead of the hooks, and a plain statement of why."""
-    host = overhead.measure(args.overhead_repeats, args.overhead_calls)
-    return {
-        "schema": 1,
-        "kind": "cpu-only",
-        "note": CPU_ONLY_MESSAGE,
-        "environment": environment(argv),
-        "settings": _settings(args),
-        "results": [],
-        "skipped": [],
-        "errors": [],
-        "host_overhead": host,
-    }
+    report = new_report(args, argv, "cpu-only")
+    report["note"] = CPU_ONLY_MESSAGE
+    report["host_overhead"] = overhead.measure(args.overhead_repeats, args.overhead_calls)
+    report["complete"] = True
+    return report
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -363,10 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(CPU_ONLY_MESSAGE, file=sys.stderr)
         report = run_cpu_only(args, argv)
+        json_path = args.json or args.out_dir / f"{output_stem(report['environment'])}.json"
     else:
-        report = run_gpu(args, argv)
-    stem = output_stem(report["environment"])
-    json_path = args.json or args.out_dir / f"{stem}.json"
+        json_path = args.json or args.out_dir / f"{output_stem(environment(argv))}.json"
+        print(f"JSON: {json_path} (rewritten after every point)", file=sys.stderr)
+        report = run_gpu(args, argv, json_path=json_path, estimator=ESTIMATOR)
     print(render_report(report))
     print()
     print(f"JSON: {write_json(report, json_path)}")
@@ -374,8 +429,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot = write_plot(report["results"], args.plot or json_path.with_suffix(".png"))
         if plot is not None:
             print(f"plot: {plot}")
-    if report["errors"]:
-        print(f"error: {len(report['errors'])} points failed; see the report", file=sys.stderr)
+    failed = len(report["errors"]) + len(report["fallbacks"])
+    if failed:
+        print(
+            f"error: {len(report['errors'])} points failed and {len(report['fallbacks'])} "
+            "fell back (the wrapper was not active); see the report",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -6,6 +6,7 @@ what the suite measures and writes is.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -237,8 +238,10 @@ def test_summarize_prints_an_earlier_report(
         "environment": suite.environment(["--steps", "30"]),
         "settings": suite._settings(suite.parse_args([])),
         "results": [fake_record("towers", TARGET, 16, 1.3)],
-        "skipped": ["branches batch=256 bfloat16 (time budget spent)"],
+        "skipped": ["branches batch=256 bfloat16"],
+        "out_of_memory": ["towers batch=4096 float32"],
         "errors": ["towers batch=64 float32: RuntimeError: boom"],
+        "fallbacks": ["transformer batch=8 float32: DISABLED/cpu"],
         "host_overhead": {
             "plain_us_per_forward": 70.0,
             "wrapped_us_per_forward": 150.0,
@@ -249,30 +252,127 @@ def test_summarize_prints_an_earlier_report(
     assert suite.main(["--summarize", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| model |" in out and "measured 1.300x (met)" in out
-    assert "Not measured: branches batch=256 bfloat16 (time budget spent)" in out
+    assert "Not measured (time budget spent):\n- branches batch=256 bfloat16" in out
+    assert "Out of memory on this GPU (a limit of the GPU, not a failure):\n- towers" in out
     assert "FAILED points:\n- towers batch=64 float32: RuntimeError: boom" in out
+    assert "FELL BACK (the wrapper was not active, so not a pass):\n- transformer" in out
+    assert "INCOMPLETE" not in out  # an older file without the field is not called partial
     assert "3.30 µs" in out
+
+
+def _fake_measure(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
+    """measure_point's stand-in: batch 64 runs out of memory, 256 raises, 32 falls back."""
+    if point.batch == 64:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    if point.batch == 256:
+        raise RuntimeError("boom")
+    record = fake_record("towers", TARGET, point.batch, 1.1)
+    if point.batch == 32:
+        record["wrapped"].update(active=False, events=["DISABLED/cpu"])
+    return record
+
+
+def _run(
+    monkeypatch: pytest.MonkeyPatch, batches: str, measure: Any = _fake_measure, **kwargs: Any
+) -> tuple[dict[str, Any], argparse.Namespace]:
+    monkeypatch.setattr(suite, "measure_point", measure)
+    env = {"date_utc": "2026-12-01T07:00:00+00:00", "gpu": "test", "torch": "2.11.0"}
+    env.update(ooo_wrap="0.1.0", command="python benchmarks/suite.py")
+    monkeypatch.setattr(suite, "environment", lambda argv: env)
+    monkeypatch.setattr(suite.overhead, "measure", lambda repeats, calls: dict(HOST))
+    flags = f"--models towers --dtypes float32 --towers-widths 2048 --towers-batches {batches}"
+    args = suite.parse_args(flags.split())
+    return suite.run_gpu(args, [], device=CPU, **kwargs), args
+
+
+HOST = {
+    "plain_us_per_forward": 70.0,
+    "wrapped_us_per_forward": 150.0,
+    "added_us_per_stage_call": 3.3,
+}
 
 
 def test_a_failing_point_is_reported_and_the_run_goes_on(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def fake_measure(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
-        if point.batch == 64:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        if point.batch == 256:
-            raise RuntimeError("boom")
-        return fake_record("towers", TARGET, point.batch, 1.1)
-
-    monkeypatch.setattr(suite, "measure_point", fake_measure)
-    monkeypatch.setattr(suite, "environment", lambda argv: {"gpu": "test"})
-    flags = "--models towers --dtypes float32 --towers-widths 2048 --overhead-repeats 1"
-    args = suite.parse_args([*flags.split(), "--overhead-calls", "2"])
-    data = suite.run_gpu(args, [], device=CPU)
-    assert [r["batch"] for r in data["results"]] == [16]
-    assert data["skipped"] == ["towers K=8 W=2048 D=4 batch=64 float32 (out of memory on this GPU)"]
+    data, _ = _run(monkeypatch, "16,64,256,32")
+    assert [r["batch"] for r in data["results"]] == [16, 32]
+    assert data["out_of_memory"] == ["towers K=8 W=2048 D=4 batch=64 float32"]
     assert data["errors"] == ["towers K=8 W=2048 D=4 batch=256 float32: RuntimeError: boom"]
+    assert data["fallbacks"] == ["towers K=8 W=2048 D=4 batch=32 float32: DISABLED/cpu"]
+    assert data["skipped"] == [] and data["complete"] and data["points_planned"] == 4
     assert "FAILED: RuntimeError: boom" in capsys.readouterr().err
+
+
+def test_the_json_is_written_after_every_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "run.json"
+    seen: list[tuple[int, bool]] = []
+
+    def spy(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
+        if path.exists():  # what a run killed now would leave behind
+            data = json.loads(path.read_text())
+            seen.append((len(data["results"]) + len(data["errors"]), data["complete"]))
+        return _fake_measure(point, device, **kwargs)
+
+    _run(monkeypatch, "16,256,16", measure=spy, json_path=path)
+    assert seen == [(0, False), (1, False), (2, False)]
+    final = json.loads(path.read_text())
+    assert final["complete"] and len(final["results"]) == 2 and len(final["errors"]) == 1
+    partial = dict(final, complete=False, host_overhead=None)
+    text = report.render_report(partial)
+    assert "INCOMPLETE: the run stopped after 3 of 3 points" in text
+    assert "Host overhead of the hooks: not measured" in text
+
+
+def test_estimates_are_recorded_next_to_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    data, _ = _run(monkeypatch, "16")
+    none = {"plain_ms": None, "wrapped_ms": None, "source": None}
+    assert data["results"][0]["estimate"] == none  # no cost model wired in: same shape
+
+    def model(point: Point) -> tuple[float, float] | None:
+        return (2.0, 1.5) if point.batch == 16 else None
+
+    data, _ = _run(monkeypatch, "16,128", estimator=model)
+    first, second = (r["estimate"] for r in data["results"])
+    assert first["plain_ms"] == 2.0 and first["wrapped_ms"] == 1.5
+    assert "model" in first["source"]
+    assert second == none
+    table = report.markdown_table(data["results"])
+    assert "estimated ms plain / wrapped (cost model, not measured)" in table
+    assert "| 2.000 / 1.500 |" in table and table.rstrip().endswith("| n/a |")
+    assert "cost model" not in report.markdown_table([fake_record("towers", TARGET, 16, 1.0)])
+
+
+def test_a_fallback_or_a_failure_fails_the_run_but_keeps_the_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(suite, "gpu_available", lambda: True)
+    monkeypatch.setattr(suite, "measure_point", _fake_measure)
+    monkeypatch.setattr(suite.overhead, "measure", lambda repeats, calls: dict(HOST))
+    monkeypatch.setattr(suite.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(suite.torch.cuda, "get_device_name", lambda index=None: "Stand-in")
+    monkeypatch.setattr(suite.torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    path = tmp_path / "r.json"
+    flags = "--models towers --dtypes float32 --towers-widths 2048 --towers-batches 16,32"
+    assert suite.main([*flags.split(), "--json", str(path), "--no-plot"]) == 1
+    data = json.loads(path.read_text())
+    assert [r["batch"] for r in data["results"]] == [16, 32] and data["fallbacks"]
+    assert "1 fell back" in capsys.readouterr().err.replace("and 1 fell", "1 fell")
+
+
+def test_commit_comes_from_the_environment_without_git(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_git(*args: Any, **kwargs: Any) -> Any:
+        raise subprocess.CalledProcessError(128, "git")
+
+    monkeypatch.setattr(suite.subprocess, "run", no_git)
+    monkeypatch.delenv(suite.COMMIT_VARIABLE, raising=False)
+    assert suite._git_commit() is None
+    monkeypatch.setenv(suite.COMMIT_VARIABLE, "abc1234")
+    assert suite._git_commit() == "abc1234"
 
 
 def test_default_sweep_starts_at_the_target_point() -> None:
