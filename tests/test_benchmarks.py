@@ -24,6 +24,8 @@ from benchmarks import report, suite
 from benchmarks.measure import Point, measure_point, summarize_times
 from benchmarks.models import ModelSpec
 from ooo_wrap.testing import SimulatedBackend
+from ooo_wrap.testing._detect import DetectingBackend
+from ooo_wrap.testing._simulated import DEFAULT_STREAM
 from scripts import sanitizer_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -429,6 +431,31 @@ def test_sanitizer_cases_cover_every_family() -> None:
     names = " ".join(case.name for case in sanitizer_check.cases())
     for family in ("towers", "branches", "transformer", "quickstart"):
         assert family in names
+    quick = [case.name for case in sanitizer_check.cases(quick=True)]
+    assert len(quick) == 2 and "towers" in quick[0] and "transformer" in quick[1]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_wrapper_without_its_fork_wait_is_a_race_the_cpu_detector_sees(broken: bool) -> None:
+    # The broken-wrapper mode that the sanitizer must flag on a GPU, checked here by the CPU
+    # race detector: removing the fork wait is a real race, and nothing else is removed.
+    backend_class = DetectingBackend
+    if broken:
+        backend_class = sanitizer_check.without_fork_wait(DetectingBackend)
+    spec = SMALL["towers"]
+    x, y = spec.make_batch(2)
+    with ooo_wrap.testing.detect(backend_class()) as found:
+        model = ooo_wrap.OOOModule(spec.build(), streams=3, backend=found.backend)
+        found.keep_alive(model)
+        spec.loss(model(x), y).backward()
+    waits = [call for call in found.backend.log if call.op == "wait_event"]
+    side_waits = [call for call in waits if call.stream != DEFAULT_STREAM]
+    if broken:
+        assert found.races, "removing the fork wait must be a race"
+        assert not side_waits and len(waits) == 3 + 3  # the joins are all still there
+    else:
+        assert not found.races and not found.allocator_hazards
+        assert len(side_waits) == 3
 
 
 def test_gpu_check_script_parses() -> None:
