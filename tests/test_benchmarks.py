@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -456,25 +455,3 @@ def test_the_wrapper_without_its_fork_wait_is_a_race_the_cpu_detector_sees(broke
     else:
         assert not found.races and not found.allocator_hazards
         assert len(side_waits) == 3
-
-
-def test_gpu_check_script_parses() -> None:
-    result = subprocess.run(
-        ["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path of the script")
-def test_gpu_check_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path)}
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert result.returncode != 0
-    assert "no CUDA GPU" in result.stdout + result.stderr
-    assert "pip install" not in (tmp_path / "gpu_check.log").read_text()
