@@ -7,6 +7,7 @@ with the newer API present and with it hidden behind a stand-in object.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -77,3 +78,32 @@ def test_real_cpu_stream_device_type_is_an_int() -> None:
     stream: Any = torch.Stream(device="cpu")
     assert isinstance(stream.device_type, int)
     assert torch.device(stream.device).type == "cpu"
+
+
+def test_private_names_missing_from_torch_mean_no_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A torch without the private classes (moved or renamed): the guards answer "no"
+    # rather than raise, and with them present they still match.
+    import types
+
+    from torch import nn
+
+    eval_frame, checkpoint = types.ModuleType("stub"), types.ModuleType("stub")
+    monkeypatch.setitem(sys.modules, "torch._dynamo.eval_frame", eval_frame)
+    monkeypatch.setitem(sys.modules, "torch.utils.checkpoint", checkpoint)
+    assert _compat.is_compiled_module(nn.Linear(2, 2)) is False
+    assert _compat.is_checkpoint_early_stop(RuntimeError("x")) is False
+
+    class Optimized(nn.Module):
+        pass
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setattr(
+        sys.modules["torch._dynamo.eval_frame"], "OptimizedModule", Optimized, raising=False
+    )
+    monkeypatch.setattr(
+        sys.modules["torch.utils.checkpoint"], "_StopRecomputationError", Stop, raising=False
+    )
+    assert _compat.is_compiled_module(Optimized()) is True
+    assert _compat.is_checkpoint_early_stop(Stop()) is True
