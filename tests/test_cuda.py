@@ -435,7 +435,9 @@ def test_a_dropped_stage_output_is_not_reused_while_the_caller_still_reads_it(
     ambient = torch.cuda.current_stream(DEVICE)
     backend = AcceleratorBackend()
     if output_record_stream == "removed":
-        backend = _WithoutOutputRecordStream(ambient)
+        # The generic stream, as the backend sees it: torch.cuda.Stream == torch.Stream is
+        # False even for the same stream.
+        backend = _WithoutOutputRecordStream(torch.accelerator.current_stream(DEVICE))
     model = ooo_wrap.OOOModule(_TwoStages().to(DEVICE), streams=2, backend=backend)
     assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
     stage = model.get_submodule("stages.0")
