@@ -316,6 +316,30 @@ def run_gpu(
             write_json(report, json_path)
 
     save()
+    try:
+        _measure_points(args, device, points, report, save, estimator)
+    except KeyboardInterrupt:  # a time limit from outside: keep what was measured
+        report["interrupted"] = True
+        print("interrupted: the points measured so far are kept", file=sys.stderr)
+        save()
+        return report
+    progress = Progress()
+    progress.show("measuring host overhead of the hooks ...")
+    report["host_overhead"] = overhead.measure(args.overhead_repeats, args.overhead_calls)
+    progress.close()
+    report["complete"] = True
+    save()
+    return report
+
+
+def _measure_points(
+    args: argparse.Namespace,
+    device: torch.device,
+    points: list[Point],
+    report: dict[str, Any],
+    save: Callable[[], None],
+    estimator: Estimator | None,
+) -> None:
     progress = Progress()
     start = time.monotonic()
     for i, point in enumerate(points, 1):
@@ -360,12 +384,6 @@ def run_gpu(
             f"wrapped {record['wrapped']['median_ms']:.3f} ms ({record['speedup']:.3f}x)"
         )
     progress.close()
-    progress.show("measuring host overhead of the hooks ...")
-    report["host_overhead"] = overhead.measure(args.overhead_repeats, args.overhead_calls)
-    progress.close()
-    report["complete"] = True
-    save()
-    return report
 
 
 def _release_memory() -> None:
@@ -429,6 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot = write_plot(report["results"], args.plot or json_path.with_suffix(".png"))
         if plot is not None:
             print(f"plot: {plot}")
+    if report.get("interrupted"):
+        print("error: interrupted before the end; the report is partial", file=sys.stderr)
+        return 130
     failed = len(report["errors"]) + len(report["fallbacks"])
     if failed:
         print(

@@ -346,21 +346,47 @@ def test_estimates_are_recorded_next_to_the_measurement(monkeypatch: pytest.Monk
     assert "cost model" not in report.markdown_table([fake_record("towers", TARGET, 16, 1.0)])
 
 
-def test_a_fallback_or_a_failure_fails_the_run_but_keeps_the_json(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _pretend_gpu(monkeypatch: pytest.MonkeyPatch, measure: Any) -> None:
     monkeypatch.setattr(suite, "gpu_available", lambda: True)
-    monkeypatch.setattr(suite, "measure_point", _fake_measure)
+    monkeypatch.setattr(suite, "measure_point", measure)
     monkeypatch.setattr(suite.overhead, "measure", lambda repeats, calls: dict(HOST))
     monkeypatch.setattr(suite.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(suite.torch.cuda, "get_device_name", lambda index=None: "Stand-in")
     monkeypatch.setattr(suite.torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+
+
+FLAGS = ["--models", "towers", "--dtypes", "float32", "--towers-widths", "2048", "--towers-batches"]
+
+
+def test_a_fallback_or_a_failure_fails_the_run_but_keeps_the_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _pretend_gpu(monkeypatch, _fake_measure)
     path = tmp_path / "r.json"
-    flags = "--models towers --dtypes float32 --towers-widths 2048 --towers-batches 16,32"
-    assert suite.main([*flags.split(), "--json", str(path), "--no-plot"]) == 1
+    assert suite.main([*FLAGS, "16,32", "--json", str(path), "--no-plot"]) == 1
     data = json.loads(path.read_text())
     assert [r["batch"] for r in data["results"]] == [16, 32] and data["fallbacks"]
-    assert "1 fell back" in capsys.readouterr().err.replace("and 1 fell", "1 fell")
+    assert "0 points failed and 1 fell back" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_keeps_its_points_json_and_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
+        if point.batch == 8:
+            raise KeyboardInterrupt  # what SIGINT from the kit's time limit raises
+        return _fake_measure(point, device, **kwargs)
+
+    _pretend_gpu(monkeypatch, interrupted)
+    path = tmp_path / "r.json"
+    assert suite.main([*FLAGS, "16,8,128", "--json", str(path)]) == 130
+    data = json.loads(path.read_text())
+    assert data["interrupted"] and not data["complete"] and data["host_overhead"] is None
+    assert [r["batch"] for r in data["results"]] == [16]
+    assert path.with_suffix(".png").exists()
+    out = capsys.readouterr().out
+    assert "INCOMPLETE: the run stopped after 1 of 3 points" in out
+    assert "Host overhead of the hooks: not measured" in out
 
 
 def test_commit_comes_from_the_environment_without_git(
