@@ -144,6 +144,7 @@ say "ooo_wrap GPU check ($MODE, budget ${BUDGET_S}s) in $ROOT, git $OOO_WRAP_COM
 say "preflight: python, torch with CUDA, a visible GPU, pytest"
 if ! command -v "$PYTHON" >/dev/null 2>&1; then
   record "preflight" FAIL "no '$PYTHON' on PATH (set PYTHON=...)"
+  write_summary final
   return 1
 fi
 rc=0
@@ -180,6 +181,7 @@ cat "$WORK/preflight.txt"
 if ((rc != 0)); then
   record "preflight" FAIL "$(tail -n 1 "$WORK/preflight.txt")"
   echo "[gpu_check] stopped before running anything"
+  write_summary final
   return 1
 fi
 TIMEOUT_ARGS=()

@@ -129,8 +129,10 @@ def test_gpu_check_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "no CUDA GPU" in result.stdout + result.stderr
     assert "stopped before running anything" in (tmp_path / "gpu_check.log").read_text()
-    rows = _rows((tmp_path / "summary.md").read_text())
+    summary = (tmp_path / "summary.md").read_text()
+    rows = _rows(summary)
     assert rows["preflight"][0] == "FAIL" and "no CUDA GPU" in rows["preflight"][1]
+    assert summary.rstrip().endswith("RESULT: FAILED")
 
 
 def test_gpu_check_script_parses() -> None:
