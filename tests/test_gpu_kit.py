@@ -140,9 +140,12 @@ def test_gpu_check_script_parses() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_unknown_argument_is_refused(tmp_path: Path) -> None:
+def test_unknown_argument_is_refused_and_help_is_the_header() -> None:
     result = subprocess.run(["bash", str(SCRIPT), "--fast"], capture_output=True, text=True)
     assert result.returncode == 2 and "unknown argument '--fast'" in result.stderr
+    result = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("GPU validation kit")
+    assert result.stdout.rstrip().endswith("GPU_CHECK_OPTIONAL=0 skips d.")
 
 
 def _junit(tmp_path: Path, cases: str) -> Path:
