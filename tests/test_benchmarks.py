@@ -481,3 +481,43 @@ def test_the_wrapper_without_its_fork_wait_is_a_race_the_cpu_detector_sees(broke
     else:
         assert not found.races and not found.allocator_hazards
         assert len(side_waits) == 3
+
+
+class CUDASanitizerErrors(Exception):  # named as torch's private class, matched by name
+    pass
+
+
+@pytest.mark.parametrize("failure", [None, "clean run reported", "broken run not flagged"])
+def test_sanitizer_check_verdict(
+    failure: str | None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The GPU work replaced: what the sanitizer would raise, and where.
+    def train(case: Any, device: Any, steps: int, dtype: Any, backend: Any = None) -> str:
+        reported = failure == "clean run reported" and case.name.startswith("towers")
+        if backend is not None or reported:
+            raise CUDASanitizerErrors("CSAN detected a possible data race")
+        return case.name
+
+    def toy_race(device: Any) -> None:
+        if failure != "broken run not flagged":
+            raise CUDASanitizerErrors("CSAN detected a possible data race")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setenv("TORCH_CUDA_SANITIZER", "1")
+    monkeypatch.setattr(sanitizer_check, "train", train)
+    monkeypatch.setattr(sanitizer_check, "toy_race", toy_race)
+    monkeypatch.setattr(sanitizer_check, "probe_record_stream", lambda device: True)
+    status = sanitizer_check.main(["--quick"])
+    out = capsys.readouterr().out
+    verdict = out.strip().splitlines()[-1]
+    assert out.startswith("preflight: this sanitizer ignores record_stream")
+    if failure is None:
+        assert status == 0 and verdict.startswith("verdict: PASS: 2/2 clean runs silent")
+    elif failure == "clean run reported":
+        assert status == 1 and "REPORTED (must be silent): towers" in out
+        assert verdict.startswith("verdict: FAIL: 1/2 clean runs silent, 2/2 broken")
+    else:
+        assert status == 1 and "NOT FLAGGED (must be): a two-stream program" in out
+        assert "1/2 broken runs flagged" in verdict
