@@ -7,7 +7,10 @@ state; median, p10 and p90 of the synchronized step time (forward + backward + o
 step); samples/s; peak memory of each side alone; the wrapper's stats per step (see
 ``benchmarks/measure.py`` for the method). Output: a markdown report on stdout, a JSON
 file and a PNG plot of speedup (matplotlib, from the optional ``bench`` extra), named with
-the date and the GPU; a progress line on stderr while it runs.
+the date and the GPU; a progress line on stderr while it runs. The JSON is rewritten after
+every point, so a run stopped from outside keeps what it measured; each point also records
+a cost model's estimate when one is wired in (``benchmarks/estimate.py``). The command line
+and the sweep are in ``benchmarks/sweep.py``.
 
 On a machine without a CUDA GPU it measures only the host overhead of the hooks
 (``benchmarks/overhead.py``) and says that speed figures need a GPU.
@@ -37,15 +40,16 @@ if sys.path[0] != str(ROOT):  # benchmark this checkout, not some other installe
 import torch  # noqa: E402
 
 import ooo_wrap  # noqa: E402
-from benchmarks import overhead  # noqa: E402
-from benchmarks.measure import DTYPES, Dtype, Point, measure_point  # noqa: E402
-from benchmarks.models import FAMILIES, ModelSpec  # noqa: E402
+from benchmarks import estimate, overhead  # noqa: E402
+from benchmarks.estimate import Estimator, estimate_times  # noqa: E402
+from benchmarks.measure import Point, measure_point  # noqa: E402
 from benchmarks.report import (  # noqa: E402
     CPU_ONLY_MESSAGE,
     render_report,
     write_json,
     write_plot,
 )
+from benchmarks.sweep import build_points, parse_args  # noqa: E402
 
 OPTIMIZER = "SGD(lr={lr:g}, momentum=0.9)"
 COMMIT_VARIABLE = "OOO_WRAP_COMMIT"  # the commit, for a checkout copied without .git
@@ -54,134 +58,6 @@ COMMIT_VARIABLE = "OOO_WRAP_COMMIT"  # the commit, for a checkout copied without
 def gpu_available() -> bool:
     """Whether this process can measure speed: a CUDA GPU is visible to PyTorch."""
     return torch.cuda.is_available()
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _names(allowed: Sequence[str]) -> Any:
-    def parse(text: str) -> list[str]:
-        names = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [n for n in names if n not in allowed]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(allowed)}"
-            )
-        return names
-
-    return parse
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line; defaults are the full sweep, including the issue's target point."""
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "--models", type=_names(FAMILIES), default=list(FAMILIES), help="comma-separated families"
-    )
-    p.add_argument(
-        "--dtypes",
-        type=_names(DTYPES),
-        default=list(DTYPES),
-        help="float32 and/or bfloat16 (autocast)",
-    )
-    g = p.add_argument_group("towers (K independent MLPs, summed)")
-    g.add_argument("--towers", type=int, default=8, help="number of towers K")
-    g.add_argument("--towers-width", type=int, default=2048, help="layer width")
-    g.add_argument("--towers-depth", type=int, default=4, help="linear layers per tower")
-    g.add_argument("--towers-batches", type=_ints, default=[16, 64, 256], help="batch sweep")
-    g.add_argument(
-        "--towers-widths",
-        type=_ints,
-        default=[512, 1024, 4096],
-        help="width sweep, at the first towers batch size",
-    )
-    g = p.add_argument_group("branches (Inception-style, concatenated)")
-    g.add_argument("--branches", type=int, default=4, help="number of branches")
-    g.add_argument("--branches-channels", type=int, default=64, help="channels per branch")
-    g.add_argument("--branches-depth", type=int, default=2, help="convolutions per branch")
-    g.add_argument("--branches-image", type=int, default=32, help="image side in pixels")
-    g.add_argument("--branches-batches", type=_ints, default=[16, 64, 256], help="batch sweep")
-    g = p.add_argument_group("transformer (examples/transformer.py; defaults: its own size)")
-    g.add_argument("--transformer-depth", type=int, default=4, help="blocks")
-    g.add_argument("--transformer-dim", type=int, default=64, help="model width")
-    g.add_argument("--transformer-heads", type=int, default=4, help="attention heads")
-    g.add_argument("--transformer-seq", type=int, default=32, help="sequence length")
-    g.add_argument("--transformer-batches", type=_ints, default=[8, 32, 128], help="batch sweep")
-    g = p.add_argument_group("method")
-    g.add_argument("--warmup", type=int, default=5, help="warm-up steps per side, reported apart")
-    g.add_argument("--steps", type=int, default=30, help="steady-state steps per side")
-    g.add_argument("--mem-steps", type=int, default=3, help="steps per side for peak memory")
-    g.add_argument("--streams", type=int, default=4, help="OOOModule(streams=...)")
-    g.add_argument("--seed", type=int, default=0, help="seeds parameters and batch")
-    g.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate (momentum 0.9)")
-    g.add_argument(
-        "--budget-s",
-        type=float,
-        default=0.0,
-        help="stop starting new points after this many seconds (0: no limit); "
-        "points not measured are listed in the report",
-    )
-    g.add_argument("--overhead-repeats", type=int, default=30, help="host-overhead probe")
-    g.add_argument("--overhead-calls", type=int, default=200, help="host-overhead probe")
-    g = p.add_argument_group("output")
-    g.add_argument(
-        "--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="JSON and PNG folder"
-    )
-    g.add_argument("--json", type=Path, default=None, help="JSON path (default: in --out-dir)")
-    g.add_argument("--plot", type=Path, default=None, help="PNG path (default: beside the JSON)")
-    g.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    g.add_argument(
-        "--require-gpu", action="store_true", help="exit with status 2 if no CUDA GPU is visible"
-    )
-    g.add_argument(
-        "--summarize", type=Path, default=None, help="print the report of an earlier JSON and exit"
-    )
-    return p.parse_args(argv)
-
-
-def build_points(args: argparse.Namespace) -> list[Point]:
-    """The sweep: float32 first, then bfloat16; per precision, the families in order given.
-
-    The towers batch sweep starts at the issue's target point (batch 16 by default), so
-    a run cut short by ``--budget-s`` still has it.
-    """
-    points: list[Point] = []
-    dtypes: list[Dtype] = [d for d in DTYPES if d in args.dtypes]
-    for dtype in dtypes:
-        for family in args.models:
-            if family == "towers":
-                spec = ModelSpec.towers(args.towers, args.towers_width, args.towers_depth)
-                points += [Point(spec, b, dtype) for b in args.towers_batches]
-                for width in args.towers_widths:
-                    if width != args.towers_width:
-                        other = ModelSpec.towers(args.towers, width, args.towers_depth)
-                        points.append(Point(other, args.towers_batches[0], dtype))
-            elif family == "branches":
-                spec = ModelSpec.branches(
-                    args.branches, args.branches_channels, args.branches_depth, args.branches_image
-                )
-                points += [Point(spec, b, dtype) for b in args.branches_batches]
-            else:
-                spec = ModelSpec.transformer(
-                    args.transformer_depth,
-                    args.transformer_dim,
-                    args.transformer_heads,
-                    args.transformer_seq,
-                )
-                points += [Point(spec, b, dtype) for b in args.transformer_batches]
-    return points
 
 
 def _git_commit() -> str | None:
@@ -247,31 +123,6 @@ class Progress:
         if self._tty:
             self._stream.write("\n")
             self._stream.flush()
-
-
-# A cost model's estimate of one point, ``(plain_ms, wrapped_ms)`` per step, or ``None``.
-Estimator = Callable[[Point], tuple[float, float] | None]
-# The estimator the suite records next to each measurement; ``None`` until a cost model
-# is wired in here, and the JSON's ``estimate`` fields stay ``None`` meanwhile.
-ESTIMATOR: Estimator | None = None
-
-
-def estimate_times(point: Point, estimator: Estimator | None) -> dict[str, Any]:
-    """The estimated plain and wrapped step times of ``point``, stored next to the measurement.
-
-    Every field is ``None`` when no estimator is given or it has no estimate for the point,
-    so a run without a cost model still writes the same JSON shape. The numbers are a
-    model's output, never a measurement: ``source`` names the estimator.
-    """
-    empty: dict[str, Any] = {"plain_ms": None, "wrapped_ms": None, "source": None}
-    if estimator is None:
-        return empty
-    estimate = estimator(point)
-    if estimate is None:
-        return empty
-    plain_ms, wrapped_ms = estimate
-    source = getattr(estimator, "__qualname__", None) or type(estimator).__name__
-    return {"plain_ms": float(plain_ms), "wrapped_ms": float(wrapped_ms), "source": source}
 
 
 def new_report(args: argparse.Namespace, argv: Sequence[str], kind: str) -> dict[str, Any]:
@@ -439,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         json_path = args.json or args.out_dir / f"{output_stem(environment(argv))}.json"
         print(f"JSON: {json_path} (rewritten after every point)", file=sys.stderr)
-        report = run_gpu(args, argv, json_path=json_path, estimator=ESTIMATOR)
+        report = run_gpu(args, argv, json_path=json_path, estimator=estimate.ESTIMATOR)
     print(render_report(report))
     print()
     print(f"JSON: {write_json(report, json_path)}")
