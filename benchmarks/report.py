@@ -1,6 +1,6 @@
 """Turn benchmark records into a markdown report, a JSON file and a speedup plot.
 
-The targets come from the benchmarks issue; they are reported against, met or not, and
+The targets are the ones README states; they are reported against, met or not, and
 never used to choose what is measured.
 """
 
@@ -63,20 +63,34 @@ def _model_cell(record: Record) -> str:
     return cell
 
 
+def _estimate_cell(record: Record) -> str:
+    estimate = record.get("estimate") or {}
+    plain, wrapped = estimate.get("plain_ms"), estimate.get("wrapped_ms")
+    if plain is None or wrapped is None:
+        return "n/a"
+    return f"{plain:.3f} / {wrapped:.3f}"
+
+
 def markdown_table(records: Sequence[Record]) -> str:
-    """One row per record: step times, speedup, throughput, memory and wrapper stats."""
+    """One row per record: step times, speedup, throughput, memory and wrapper stats.
+
+    A column of cost-model estimates (labelled as such) is added when any record has one.
+    """
+    estimates = any(_estimate_cell(r) != "n/a" for r in records)
     header = (
         "| model | batch | dtype | plain ms median (p10-p90) | wrapped ms median (p10-p90) "
         "| speedup | samples/s plain / wrapped | peak MiB plain / wrapped | memory ratio "
         "| waits / record_streams per step | first step ms plain / wrapped |"
     )
+    if estimates:
+        header += " estimated ms plain / wrapped (cost model, not measured) |"
     rows = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in records:
         plain, wrapped = r["plain"], r["wrapped"]
         stats = wrapped.get("stats_per_step")
         stats_cell = f"{stats['waits']:g} / {stats['record_streams']:g}" if stats else "n/a"
         ratio = r.get("memory_ratio")
-        rows.append(
+        row = (
             f"| {_model_cell(r)} | {r['batch']} | {r['dtype']} | {_ms(plain)} | {_ms(wrapped)} "
             f"| {r['speedup']:.3f}x "
             f"| {plain['samples_per_s']:,.0f} / {wrapped['samples_per_s']:,.0f} "
@@ -84,6 +98,7 @@ def markdown_table(records: Sequence[Record]) -> str:
             f"| {'n/a' if ratio is None else f'{ratio:.3f}x'} | {stats_cell} "
             f"| {_first(plain)} / {_first(wrapped)} |"
         )
+        rows.append(row + (f" {_estimate_cell(r)} |" if estimates else ""))
     return "\n".join(rows)
 
 
@@ -199,18 +214,40 @@ def render_report(report: Mapping[str, Any]) -> str:
         lines.append("")
         lines.append("Targets (GPU, steady state; reported, not tuned for):")
         lines += targets_lines(report["results"])
-        skipped = report.get("skipped") or []
-        if skipped:
-            lines.append("")
-            lines.append("Not measured: " + "; ".join(skipped))
-        errors = report.get("errors") or []
-        if errors:
-            lines.append("")
-            lines += ["FAILED points:", *(f"- {error}" for error in errors)]
+        lines += _outcome_lines(report)
         lines.append("")
-    lines.append("Host overhead of the hooks (backend stream calls made free, CPU):")
-    lines += overhead_lines(report["host_overhead"])
+    host = report.get("host_overhead")
+    if host:
+        lines.append("Host overhead of the hooks (backend stream calls made free, CPU):")
+        lines += overhead_lines(host)
+    else:
+        lines.append("Host overhead of the hooks: not measured (the run stopped before it).")
     return "\n".join(lines)
+
+
+def _outcome_lines(report: Mapping[str, Any]) -> list[str]:
+    """Every point that did not end as a wrapped measurement, each kind under its own name."""
+    lines: list[str] = []
+    planned = report.get("points_planned")
+    if report.get("complete") is False:
+        done = sum(len(report.get(key) or []) for key in _OUTCOMES) + len(report["results"])
+        lines.append(
+            f"INCOMPLETE: the run stopped after {done} of {planned or '?'} points "
+            "(this file was written after every point)."
+        )
+    for key, title in _OUTCOMES.items():
+        entries = report.get(key) or []
+        if entries:
+            lines += ["", f"{title}:", *(f"- {entry}" for entry in entries)]
+    return lines
+
+
+_OUTCOMES = {
+    "skipped": "Not measured (time budget spent)",
+    "out_of_memory": "Out of memory on this GPU (a limit of the GPU, not a failure)",
+    "errors": "FAILED points",
+    "fallbacks": "FELL BACK (the wrapper was not active, so not a pass)",
+}
 
 
 def write_json(report: Mapping[str, Any], path: Path) -> Path:

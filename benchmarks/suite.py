@@ -7,7 +7,10 @@ state; median, p10 and p90 of the synchronized step time (forward + backward + o
 step); samples/s; peak memory of each side alone; the wrapper's stats per step (see
 ``benchmarks/measure.py`` for the method). Output: a markdown report on stdout, a JSON
 file and a PNG plot of speedup (matplotlib, from the optional ``bench`` extra), named with
-the date and the GPU; a progress line on stderr while it runs.
+the date and the GPU; a progress line on stderr while it runs. The JSON is rewritten after
+every point, so a run stopped from outside keeps what it measured; each point also records
+a cost model's estimate when one is wired in (``benchmarks/estimate.py``). The command line
+and the sweep are in ``benchmarks/sweep.py``.
 
 On a machine without a CUDA GPU it measures only the host overhead of the hooks
 (``benchmarks/overhead.py``) and says that speed figures need a GPU.
@@ -19,13 +22,14 @@ import argparse
 import datetime as dt
 import gc
 import json
+import os
 import platform
 import re
 import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -36,17 +40,19 @@ if sys.path[0] != str(ROOT):  # benchmark this checkout, not some other installe
 import torch  # noqa: E402
 
 import ooo_wrap  # noqa: E402
-from benchmarks import overhead  # noqa: E402
-from benchmarks.measure import DTYPES, Dtype, Point, measure_point  # noqa: E402
-from benchmarks.models import FAMILIES, ModelSpec  # noqa: E402
+from benchmarks import estimate, overhead  # noqa: E402
+from benchmarks.estimate import Estimator, estimate_times  # noqa: E402
+from benchmarks.measure import Point, measure_point  # noqa: E402
 from benchmarks.report import (  # noqa: E402
     CPU_ONLY_MESSAGE,
     render_report,
     write_json,
     write_plot,
 )
+from benchmarks.sweep import build_points, parse_args  # noqa: E402
 
 OPTIMIZER = "SGD(lr={lr:g}, momentum=0.9)"
+COMMIT_VARIABLE = "OOO_WRAP_COMMIT"  # the commit, for a checkout copied without .git
 
 
 def gpu_available() -> bool:
@@ -54,135 +60,8 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _names(allowed: Sequence[str]) -> Any:
-    def parse(text: str) -> list[str]:
-        names = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [n for n in names if n not in allowed]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(allowed)}"
-            )
-        return names
-
-    return parse
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line; defaults are the full sweep, including the towers target point."""
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "--models", type=_names(FAMILIES), default=list(FAMILIES), help="comma-separated families"
-    )
-    p.add_argument(
-        "--dtypes",
-        type=_names(DTYPES),
-        default=list(DTYPES),
-        help="float32 and/or bfloat16 (autocast)",
-    )
-    g = p.add_argument_group("towers (K independent MLPs, summed)")
-    g.add_argument("--towers", type=int, default=8, help="number of towers K")
-    g.add_argument("--towers-width", type=int, default=2048, help="layer width")
-    g.add_argument("--towers-depth", type=int, default=4, help="linear layers per tower")
-    g.add_argument("--towers-batches", type=_ints, default=[16, 64, 256], help="batch sweep")
-    g.add_argument(
-        "--towers-widths",
-        type=_ints,
-        default=[512, 1024, 4096],
-        help="width sweep, at the first towers batch size",
-    )
-    g = p.add_argument_group("branches (Inception-style, concatenated)")
-    g.add_argument("--branches", type=int, default=4, help="number of branches")
-    g.add_argument("--branches-channels", type=int, default=64, help="channels per branch")
-    g.add_argument("--branches-depth", type=int, default=2, help="convolutions per branch")
-    g.add_argument("--branches-image", type=int, default=32, help="image side in pixels")
-    g.add_argument("--branches-batches", type=_ints, default=[16, 64, 256], help="batch sweep")
-    g = p.add_argument_group("transformer (examples/transformer.py; defaults: its own size)")
-    g.add_argument("--transformer-depth", type=int, default=4, help="blocks")
-    g.add_argument("--transformer-dim", type=int, default=64, help="model width")
-    g.add_argument("--transformer-heads", type=int, default=4, help="attention heads")
-    g.add_argument("--transformer-seq", type=int, default=32, help="sequence length")
-    g.add_argument("--transformer-batches", type=_ints, default=[8, 32, 128], help="batch sweep")
-    g = p.add_argument_group("method")
-    g.add_argument("--warmup", type=int, default=5, help="warm-up steps per side, reported apart")
-    g.add_argument("--steps", type=int, default=30, help="steady-state steps per side")
-    g.add_argument("--mem-steps", type=int, default=3, help="steps per side for peak memory")
-    g.add_argument("--streams", type=int, default=4, help="OOOModule(streams=...)")
-    g.add_argument("--seed", type=int, default=0, help="seeds parameters and batch")
-    g.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate (momentum 0.9)")
-    g.add_argument(
-        "--budget-s",
-        type=float,
-        default=0.0,
-        help="stop starting new points after this many seconds (0: no limit); "
-        "points not measured are listed in the report",
-    )
-    g.add_argument("--overhead-repeats", type=int, default=30, help="host-overhead probe")
-    g.add_argument("--overhead-calls", type=int, default=200, help="host-overhead probe")
-    g = p.add_argument_group("output")
-    g.add_argument(
-        "--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="JSON and PNG folder"
-    )
-    g.add_argument("--json", type=Path, default=None, help="JSON path (default: in --out-dir)")
-    g.add_argument("--plot", type=Path, default=None, help="PNG path (default: beside the JSON)")
-    g.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    g.add_argument(
-        "--require-gpu", action="store_true", help="exit with status 2 if no CUDA GPU is visible"
-    )
-    g.add_argument(
-        "--summarize", type=Path, default=None, help="print the report of an earlier JSON and exit"
-    )
-    return p.parse_args(argv)
-
-
-def build_points(args: argparse.Namespace) -> list[Point]:
-    """The sweep: float32 first, then bfloat16; per precision, the families in order given.
-
-    The towers batch sweep starts at the towers target point (batch 16 by default), so
-    a run cut short by ``--budget-s`` still has it.
-    """
-    points: list[Point] = []
-    dtypes: list[Dtype] = [d for d in DTYPES if d in args.dtypes]
-    for dtype in dtypes:
-        for family in args.models:
-            if family == "towers":
-                spec = ModelSpec.towers(args.towers, args.towers_width, args.towers_depth)
-                points += [Point(spec, b, dtype) for b in args.towers_batches]
-                for width in args.towers_widths:
-                    if width != args.towers_width:
-                        other = ModelSpec.towers(args.towers, width, args.towers_depth)
-                        points.append(Point(other, args.towers_batches[0], dtype))
-            elif family == "branches":
-                spec = ModelSpec.branches(
-                    args.branches, args.branches_channels, args.branches_depth, args.branches_image
-                )
-                points += [Point(spec, b, dtype) for b in args.branches_batches]
-            else:
-                spec = ModelSpec.transformer(
-                    args.transformer_depth,
-                    args.transformer_dim,
-                    args.transformer_heads,
-                    args.transformer_seq,
-                )
-                points += [Point(spec, b, dtype) for b in args.transformer_batches]
-    return points
-
-
 def _git_commit() -> str | None:
+    """The checkout's commit; from ``OOO_WRAP_COMMIT`` where there is no ``.git`` (a copy)."""
     try:
         out = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -192,8 +71,8 @@ def _git_commit() -> str | None:
             check=True,
         )
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
+        return os.environ.get(COMMIT_VARIABLE) or None
+    return out.stdout.strip() or os.environ.get(COMMIT_VARIABLE) or None
 
 
 def environment(argv: Sequence[str]) -> dict[str, Any]:
@@ -246,22 +125,78 @@ class Progress:
             self._stream.flush()
 
 
+def new_report(args: argparse.Namespace, argv: Sequence[str], kind: str) -> dict[str, Any]:
+    """An empty report: where and how, and a list for each way a point can end."""
+    return {
+        "schema": 2,
+        "kind": kind,
+        "complete": False,  # True once every point was tried and the overhead measured
+        "environment": environment(argv),
+        "settings": _settings(args),
+        "points_planned": 0,
+        "results": [],
+        "skipped": [],  # not started: the time budget was spent
+        "out_of_memory": [],  # too big for this GPU: a fact about the GPU, not a failure
+        "errors": [],  # raised: a failed point
+        "fallbacks": [],  # measured, but the wrapper was not active: not a pass
+        "host_overhead": None,
+    }
+
+
 def run_gpu(
-    args: argparse.Namespace, argv: Sequence[str], device: torch.device | None = None
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    device: torch.device | None = None,
+    *,
+    json_path: Path | None = None,
+    estimator: Estimator | None = None,
 ) -> dict[str, Any]:
-    """Measure every point on the GPU (or ``device``); the report as a JSON-ready dict."""
+    """Measure every point on the GPU (or ``device``); the report as a JSON-ready dict.
+
+    With ``json_path`` the report is written after every point, so a run stopped from
+    outside (a time limit) keeps what it measured; ``complete`` says whether it finished.
+    """
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     points = build_points(args)
+    report = new_report(args, argv, "gpu")
+    report["points_planned"] = len(points)
+
+    def save() -> None:
+        if json_path is not None:
+            write_json(report, json_path)
+
+    save()
+    try:
+        _measure_points(args, device, points, report, save, estimator)
+    except KeyboardInterrupt:  # a time limit from outside: keep what was measured
+        report["interrupted"] = True
+        print("interrupted: the points measured so far are kept", file=sys.stderr)
+        save()
+        return report
     progress = Progress()
-    results: list[dict[str, Any]] = []
-    skipped: list[str] = []
-    errors: list[str] = []
+    progress.show("measuring host overhead of the hooks ...")
+    report["host_overhead"] = overhead.measure(args.overhead_repeats, args.overhead_calls)
+    progress.close()
+    report["complete"] = True
+    save()
+    return report
+
+
+def _measure_points(
+    args: argparse.Namespace,
+    device: torch.device,
+    points: list[Point],
+    report: dict[str, Any],
+    save: Callable[[], None],
+    estimator: Estimator | None,
+) -> None:
+    progress = Progress()
     start = time.monotonic()
     for i, point in enumerate(points, 1):
         elapsed = time.monotonic() - start
         if args.budget_s and elapsed > args.budget_s:
-            skipped.append(f"{point} (time budget spent)")
+            report["skipped"].append(str(point))
             continue
         progress.show(f"[{i}/{len(points)} {elapsed:5.0f}s] measuring {point} ...")
         try:
@@ -277,34 +212,29 @@ def run_gpu(
             )
         except torch.cuda.OutOfMemoryError:
             # A size too big for this GPU is a fact about the GPU, not a failed run.
-            skipped.append(f"{point} (out of memory on this GPU)")
+            report["out_of_memory"].append(str(point))
+            progress.show(f"[{i}/{len(points)}] {point}: out of memory on this GPU")
             _release_memory()
+            save()
             continue
         except Exception as error:  # report it with the rest rather than lose the run
-            errors.append(f"{point}: {type(error).__name__}: {error}")
+            report["errors"].append(f"{point}: {type(error).__name__}: {error}")
             progress.show(f"[{i}/{len(points)}] {point}: FAILED: {type(error).__name__}: {error}")
             _release_memory()
+            save()
             continue
-        results.append(record)
+        record["estimate"] = estimate_times(point, estimator)
+        report["results"].append(record)
+        if not record["wrapped"].get("active", False):
+            events = ", ".join(record["wrapped"].get("events", [])) or "no event recorded"
+            report["fallbacks"].append(f"{point}: {events}")
+        save()
         progress.show(
             f"[{i}/{len(points)} {time.monotonic() - start:5.0f}s] {point}: "
             f"plain {record['plain']['median_ms']:.3f} ms, "
             f"wrapped {record['wrapped']['median_ms']:.3f} ms ({record['speedup']:.3f}x)"
         )
     progress.close()
-    progress.show("measuring host overhead of the hooks ...")
-    host = overhead.measure(args.overhead_repeats, args.overhead_calls)
-    progress.close()
-    return {
-        "schema": 1,
-        "kind": "gpu",
-        "environment": environment(argv),
-        "settings": _settings(args),
-        "results": results,
-        "skipped": skipped,
-        "errors": errors,
-        "host_overhead": host,
-    }
 
 
 def _release_memory() -> None:
@@ -315,18 +245,11 @@ def _release_memory() -> None:
 
 def run_cpu_only(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     """No GPU: only the host overhead of the hooks, and a plain statement of why."""
-    host = overhead.measure(args.overhead_repeats, args.overhead_calls)
-    return {
-        "schema": 1,
-        "kind": "cpu-only",
-        "note": CPU_ONLY_MESSAGE,
-        "environment": environment(argv),
-        "settings": _settings(args),
-        "results": [],
-        "skipped": [],
-        "errors": [],
-        "host_overhead": host,
-    }
+    report = new_report(args, argv, "cpu-only")
+    report["note"] = CPU_ONLY_MESSAGE
+    report["host_overhead"] = overhead.measure(args.overhead_repeats, args.overhead_calls)
+    report["complete"] = True
+    return report
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -363,10 +286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(CPU_ONLY_MESSAGE, file=sys.stderr)
         report = run_cpu_only(args, argv)
+        json_path = args.json or args.out_dir / f"{output_stem(report['environment'])}.json"
     else:
-        report = run_gpu(args, argv)
-    stem = output_stem(report["environment"])
-    json_path = args.json or args.out_dir / f"{stem}.json"
+        json_path = args.json or args.out_dir / f"{output_stem(environment(argv))}.json"
+        print(f"JSON: {json_path} (rewritten after every point)", file=sys.stderr)
+        report = run_gpu(args, argv, json_path=json_path, estimator=estimate.ESTIMATOR)
     print(render_report(report))
     print()
     print(f"JSON: {write_json(report, json_path)}")
@@ -374,8 +298,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot = write_plot(report["results"], args.plot or json_path.with_suffix(".png"))
         if plot is not None:
             print(f"plot: {plot}")
-    if report["errors"]:
-        print(f"error: {len(report['errors'])} points failed; see the report", file=sys.stderr)
+    if report.get("interrupted"):
+        print("error: interrupted before the end; the report is partial", file=sys.stderr)
+        return 130
+    failed = len(report["errors"]) + len(report["fallbacks"])
+    if failed:
+        print(
+            f"error: {len(report['errors'])} points failed and {len(report['fallbacks'])} "
+            "fell back (the wrapper was not active); see the report",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

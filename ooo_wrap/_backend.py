@@ -11,6 +11,8 @@ from typing import Any, Protocol, TypeAlias
 
 import torch
 
+from ._compat import stream_is_capturing
+
 __all__ = ["AcceleratorBackend", "Backend", "Event", "Stream"]
 
 # Streams and events are opaque to the scheduler: it only hands them back to its backend.
@@ -93,9 +95,7 @@ class AcceleratorBackend:
         tensor.record_stream(stream)
 
     def is_capturing(self, stream: Stream) -> bool:
-        if hasattr(stream, "is_capturing"):  # torch.Stream.is_capturing is newer than 2.6
-            return bool(stream.is_capturing())
-        return stream.device_type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return stream_is_capturing(stream)  # torch.Stream.is_capturing is newer than 2.11
 
 
 def _has_accelerator() -> bool:

@@ -6,9 +6,9 @@ what the suite measures and writes is.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +23,8 @@ from benchmarks import report, suite
 from benchmarks.measure import Point, measure_point, summarize_times
 from benchmarks.models import ModelSpec
 from ooo_wrap.testing import SimulatedBackend
+from ooo_wrap.testing._detect import DetectingBackend
+from ooo_wrap.testing._simulated import DEFAULT_STREAM
 from scripts import sanitizer_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,8 +239,10 @@ def test_summarize_prints_an_earlier_report(
         "environment": suite.environment(["--steps", "30"]),
         "settings": suite._settings(suite.parse_args([])),
         "results": [fake_record("towers", TARGET, 16, 1.3)],
-        "skipped": ["branches batch=256 bfloat16 (time budget spent)"],
+        "skipped": ["branches batch=256 bfloat16"],
+        "out_of_memory": ["towers batch=4096 float32"],
         "errors": ["towers batch=64 float32: RuntimeError: boom"],
+        "fallbacks": ["transformer batch=8 float32: DISABLED/cpu"],
         "host_overhead": {
             "plain_us_per_forward": 70.0,
             "wrapped_us_per_forward": 150.0,
@@ -249,30 +253,153 @@ def test_summarize_prints_an_earlier_report(
     assert suite.main(["--summarize", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| model |" in out and "measured 1.300x (met)" in out
-    assert "Not measured: branches batch=256 bfloat16 (time budget spent)" in out
+    assert "Not measured (time budget spent):\n- branches batch=256 bfloat16" in out
+    assert "Out of memory on this GPU (a limit of the GPU, not a failure):\n- towers" in out
     assert "FAILED points:\n- towers batch=64 float32: RuntimeError: boom" in out
+    assert "FELL BACK (the wrapper was not active, so not a pass):\n- transformer" in out
+    assert "INCOMPLETE" not in out  # an older file without the field is not called partial
     assert "3.30 µs" in out
+
+
+def _fake_measure(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
+    """measure_point's stand-in: batch 64 runs out of memory, 256 raises, 32 falls back."""
+    if point.batch == 64:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    if point.batch == 256:
+        raise RuntimeError("boom")
+    record = fake_record("towers", TARGET, point.batch, 1.1)
+    if point.batch == 32:
+        record["wrapped"].update(active=False, events=["DISABLED/cpu"])
+    return record
+
+
+def _run(
+    monkeypatch: pytest.MonkeyPatch, batches: str, measure: Any = _fake_measure, **kwargs: Any
+) -> tuple[dict[str, Any], argparse.Namespace]:
+    monkeypatch.setattr(suite, "measure_point", measure)
+    env = {"date_utc": "2026-12-01T07:00:00+00:00", "gpu": "test", "torch": "2.11.0"}
+    env.update(ooo_wrap="0.1.0", command="python benchmarks/suite.py")
+    monkeypatch.setattr(suite, "environment", lambda argv: env)
+    monkeypatch.setattr(suite.overhead, "measure", lambda repeats, calls: dict(HOST))
+    flags = f"--models towers --dtypes float32 --towers-widths 2048 --towers-batches {batches}"
+    args = suite.parse_args(flags.split())
+    return suite.run_gpu(args, [], device=CPU, **kwargs), args
+
+
+HOST = {
+    "plain_us_per_forward": 70.0,
+    "wrapped_us_per_forward": 150.0,
+    "added_us_per_stage_call": 3.3,
+}
 
 
 def test_a_failing_point_is_reported_and_the_run_goes_on(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def fake_measure(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
-        if point.batch == 64:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        if point.batch == 256:
-            raise RuntimeError("boom")
-        return fake_record("towers", TARGET, point.batch, 1.1)
-
-    monkeypatch.setattr(suite, "measure_point", fake_measure)
-    monkeypatch.setattr(suite, "environment", lambda argv: {"gpu": "test"})
-    flags = "--models towers --dtypes float32 --towers-widths 2048 --overhead-repeats 1"
-    args = suite.parse_args([*flags.split(), "--overhead-calls", "2"])
-    data = suite.run_gpu(args, [], device=CPU)
-    assert [r["batch"] for r in data["results"]] == [16]
-    assert data["skipped"] == ["towers K=8 W=2048 D=4 batch=64 float32 (out of memory on this GPU)"]
+    data, _ = _run(monkeypatch, "16,64,256,32")
+    assert [r["batch"] for r in data["results"]] == [16, 32]
+    assert data["out_of_memory"] == ["towers K=8 W=2048 D=4 batch=64 float32"]
     assert data["errors"] == ["towers K=8 W=2048 D=4 batch=256 float32: RuntimeError: boom"]
+    assert data["fallbacks"] == ["towers K=8 W=2048 D=4 batch=32 float32: DISABLED/cpu"]
+    assert data["skipped"] == [] and data["complete"] and data["points_planned"] == 4
     assert "FAILED: RuntimeError: boom" in capsys.readouterr().err
+
+
+def test_the_json_is_written_after_every_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "run.json"
+    seen: list[tuple[int, bool]] = []
+
+    def spy(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
+        if path.exists():  # what a run killed now would leave behind
+            data = json.loads(path.read_text())
+            seen.append((len(data["results"]) + len(data["errors"]), data["complete"]))
+        return _fake_measure(point, device, **kwargs)
+
+    _run(monkeypatch, "16,256,16", measure=spy, json_path=path)
+    assert seen == [(0, False), (1, False), (2, False)]
+    final = json.loads(path.read_text())
+    assert final["complete"] and len(final["results"]) == 2 and len(final["errors"]) == 1
+    partial = dict(final, complete=False, host_overhead=None)
+    text = report.render_report(partial)
+    assert "INCOMPLETE: the run stopped after 3 of 3 points" in text
+    assert "Host overhead of the hooks: not measured" in text
+
+
+def test_estimates_are_recorded_next_to_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    data, _ = _run(monkeypatch, "16")
+    none = {"plain_ms": None, "wrapped_ms": None, "source": None}
+    assert data["results"][0]["estimate"] == none  # no cost model wired in: same shape
+
+    def model(point: Point) -> tuple[float, float] | None:
+        return (2.0, 1.5) if point.batch == 16 else None
+
+    data, _ = _run(monkeypatch, "16,128", estimator=model)
+    first, second = (r["estimate"] for r in data["results"])
+    assert first["plain_ms"] == 2.0 and first["wrapped_ms"] == 1.5
+    assert "model" in first["source"]
+    assert second == none
+    table = report.markdown_table(data["results"])
+    assert "estimated ms plain / wrapped (cost model, not measured)" in table
+    assert "| 2.000 / 1.500 |" in table and table.rstrip().endswith("| n/a |")
+    assert "cost model" not in report.markdown_table([fake_record("towers", TARGET, 16, 1.0)])
+
+
+def _pretend_gpu(monkeypatch: pytest.MonkeyPatch, measure: Any) -> None:
+    monkeypatch.setattr(suite, "gpu_available", lambda: True)
+    monkeypatch.setattr(suite, "measure_point", measure)
+    monkeypatch.setattr(suite.overhead, "measure", lambda repeats, calls: dict(HOST))
+    monkeypatch.setattr(suite.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(suite.torch.cuda, "get_device_name", lambda index=None: "Stand-in")
+    monkeypatch.setattr(suite.torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+
+
+FLAGS = ["--models", "towers", "--dtypes", "float32", "--towers-widths", "2048", "--towers-batches"]
+
+
+def test_a_fallback_or_a_failure_fails_the_run_but_keeps_the_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _pretend_gpu(monkeypatch, _fake_measure)
+    path = tmp_path / "r.json"
+    assert suite.main([*FLAGS, "16,32", "--json", str(path), "--no-plot"]) == 1
+    data = json.loads(path.read_text())
+    assert [r["batch"] for r in data["results"]] == [16, 32] and data["fallbacks"]
+    assert "0 points failed and 1 fell back" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_keeps_its_points_json_and_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
+        if point.batch == 8:
+            raise KeyboardInterrupt  # what SIGINT from the kit's time limit raises
+        return _fake_measure(point, device, **kwargs)
+
+    _pretend_gpu(monkeypatch, interrupted)
+    path = tmp_path / "r.json"
+    assert suite.main([*FLAGS, "16,8,128", "--json", str(path)]) == 130
+    data = json.loads(path.read_text())
+    assert data["interrupted"] and not data["complete"] and data["host_overhead"] is None
+    assert [r["batch"] for r in data["results"]] == [16]
+    assert path.with_suffix(".png").exists()
+    out = capsys.readouterr().out
+    assert "INCOMPLETE: the run stopped after 1 of 3 points" in out
+    assert "Host overhead of the hooks: not measured" in out
+
+
+def test_commit_comes_from_the_environment_without_git(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_git(*args: Any, **kwargs: Any) -> Any:
+        raise subprocess.CalledProcessError(128, "git")
+
+    monkeypatch.setattr(suite.subprocess, "run", no_git)
+    monkeypatch.delenv(suite.COMMIT_VARIABLE, raising=False)
+    assert suite._git_commit() is None
+    monkeypatch.setenv(suite.COMMIT_VARIABLE, "abc1234")
+    assert suite._git_commit() == "abc1234"
 
 
 def test_default_sweep_starts_at_the_target_point() -> None:
@@ -329,37 +456,68 @@ def test_sanitizer_cases_cover_every_family() -> None:
     names = " ".join(case.name for case in sanitizer_check.cases())
     for family in ("towers", "branches", "transformer", "quickstart"):
         assert family in names
+    quick = [case.name for case in sanitizer_check.cases(quick=True)]
+    assert len(quick) == 2 and "towers" in quick[0] and "transformer" in quick[1]
 
 
-def test_gpu_check_script_parses() -> None:
-    result = subprocess.run(
-        ["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_wrapper_without_its_fork_wait_is_a_race_the_cpu_detector_sees(broken: bool) -> None:
+    # The broken-wrapper mode that the sanitizer must flag on a GPU, checked here by the CPU
+    # race detector: removing the fork wait is a real race, and nothing else is removed.
+    backend_class = DetectingBackend
+    if broken:
+        backend_class = sanitizer_check.without_fork_wait(DetectingBackend)
+    spec = SMALL["towers"]
+    x, y = spec.make_batch(2)
+    with ooo_wrap.testing.detect(backend_class()) as found:
+        model = ooo_wrap.OOOModule(spec.build(), streams=3, backend=found.backend)
+        found.keep_alive(model)
+        spec.loss(model(x), y).backward()
+    waits = [call for call in found.backend.log if call.op == "wait_event"]
+    side_waits = [call for call in waits if call.stream != DEFAULT_STREAM]
+    if broken:
+        assert found.races, "removing the fork wait must be a race"
+        assert not side_waits and len(waits) == 3 + 3  # the joins are all still there
+    else:
+        assert not found.races and not found.allocator_hazards
+        assert len(side_waits) == 3
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path of the script")
-def test_gpu_check_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
-    # The kit must run the interpreter it is given (this one), not whatever `python` is
-    # first on PATH: put a broken one there.
-    decoy = tmp_path / "bin"
-    decoy.mkdir()
-    (decoy / "python").write_text("#!/bin/sh\necho 'wrong python on PATH' >&2\nexit 3\n")
-    (decoy / "python").chmod(0o755)
-    env = {
-        **os.environ,
-        "OUT": str(tmp_path),
-        "PYTHON": sys.executable,
-        "PATH": f"{decoy}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert result.returncode != 0
-    assert "no CUDA GPU" in result.stdout + result.stderr
-    assert "wrong python on PATH" not in result.stdout + result.stderr
-    assert "pip install" not in (tmp_path / "gpu_check.log").read_text()
+class CUDASanitizerErrors(Exception):  # named as torch's private class, matched by name
+    pass
+
+
+@pytest.mark.parametrize("failure", [None, "clean run reported", "broken run not flagged"])
+def test_sanitizer_check_verdict(
+    failure: str | None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The GPU work replaced: what the sanitizer would raise, and where.
+    def train(case: Any, device: Any, steps: int, dtype: Any, backend: Any = None) -> str:
+        reported = failure == "clean run reported" and case.name.startswith("towers")
+        if backend is not None or reported:
+            raise CUDASanitizerErrors("CSAN detected a possible data race")
+        return case.name
+
+    def toy_race(device: Any) -> None:
+        if failure != "broken run not flagged":
+            raise CUDASanitizerErrors("CSAN detected a possible data race")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setenv("TORCH_CUDA_SANITIZER", "1")
+    monkeypatch.setattr(sanitizer_check, "train", train)
+    monkeypatch.setattr(sanitizer_check, "toy_race", toy_race)
+    monkeypatch.setattr(sanitizer_check, "probe_record_stream", lambda device: True)
+    status = sanitizer_check.main(["--quick"])
+    out = capsys.readouterr().out
+    verdict = out.strip().splitlines()[-1]
+    assert out.startswith("preflight: this sanitizer ignores record_stream")
+    if failure is None:
+        assert status == 0 and verdict.startswith("verdict: PASS: 2/2 clean runs silent")
+    elif failure == "clean run reported":
+        assert status == 1 and "REPORTED (must be silent): towers" in out
+        assert verdict.startswith("verdict: FAIL: 1/2 clean runs silent, 2/2 broken")
+    else:
+        assert status == 1 and "NOT FLAGGED (must be): a two-stream program" in out
+        assert "1/2 broken runs flagged" in verdict

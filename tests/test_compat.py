@@ -1,0 +1,109 @@
+"""The torch-version guards, tested on the CPU by hiding the newer API.
+
+CI runs one torch; the machines that run the kit may run an older one (down to the
+declared minimum, 2.6). Each guard in ``ooo_wrap/_compat.py`` is exercised here both
+with the newer API present and with it hidden behind a stand-in object.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from ooo_wrap import _compat
+from ooo_wrap._backend import AcceleratorBackend
+
+CUDA_DEVICE_TYPE = 1  # what torch.Stream.device_type holds for a CUDA stream: an int
+
+
+class _OldStream:
+    """A CUDA stream as torch before ``torch.Stream.is_capturing`` shows it."""
+
+    device_type = CUDA_DEVICE_TYPE
+    device_index = 0
+    device = torch.device("cuda", 0)
+
+
+class _NewStream(_OldStream):
+    def __init__(self, capturing: bool) -> None:
+        self.capturing = capturing
+
+    def is_capturing(self) -> bool:
+        return self.capturing
+
+
+def _capturing(monkeypatch: pytest.MonkeyPatch, value: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: value)
+
+
+@pytest.mark.parametrize("capturing", [True, False])
+def test_capture_detected_without_stream_is_capturing(
+    monkeypatch: pytest.MonkeyPatch, capturing: bool
+) -> None:
+    # torch 2.6 to 2.11: no torch.Stream.is_capturing; the CUDA query must be used. The
+    # stream's device_type is an int there, so comparing it with "cuda" never matched.
+    _capturing(monkeypatch, capturing)
+    assert not hasattr(_OldStream(), "is_capturing")
+    assert _compat.stream_is_capturing(_OldStream()) is capturing
+    assert AcceleratorBackend().is_capturing(_OldStream()) is capturing
+
+
+def test_capture_query_prefers_the_stream_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    def must_not_be_called() -> bool:
+        raise AssertionError("the CUDA-only query was used although the stream has its own")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", must_not_be_called)
+    assert _compat.stream_is_capturing(_NewStream(True)) is True
+    assert _compat.stream_is_capturing(_NewStream(False)) is False
+
+
+def test_non_cuda_stream_without_the_method_is_not_capturing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _capturing(monkeypatch, True)  # a CUDA capture elsewhere says nothing of this stream
+
+    class _XpuStream:
+        device_type = 12
+        device_index = 0
+        device = torch.device("xpu", 0)
+
+    assert _compat.stream_is_capturing(_XpuStream()) is False
+
+
+def test_real_cpu_stream_device_type_is_an_int() -> None:
+    # The premise of the fix: on this torch, too, device_type is not a string.
+    stream: Any = torch.Stream(device="cpu")
+    assert isinstance(stream.device_type, int)
+    assert torch.device(stream.device).type == "cpu"
+
+
+def test_private_names_missing_from_torch_mean_no_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A torch without the private classes (moved or renamed): the guards answer "no"
+    # rather than raise, and with them present they still match.
+    import types
+
+    from torch import nn
+
+    eval_frame, checkpoint = types.ModuleType("stub"), types.ModuleType("stub")
+    monkeypatch.setitem(sys.modules, "torch._dynamo.eval_frame", eval_frame)
+    monkeypatch.setitem(sys.modules, "torch.utils.checkpoint", checkpoint)
+    assert _compat.is_compiled_module(nn.Linear(2, 2)) is False
+    assert _compat.is_checkpoint_early_stop(RuntimeError("x")) is False
+
+    class Optimized(nn.Module):
+        pass
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setattr(
+        sys.modules["torch._dynamo.eval_frame"], "OptimizedModule", Optimized, raising=False
+    )
+    monkeypatch.setattr(
+        sys.modules["torch.utils.checkpoint"], "_StopRecomputationError", Stop, raising=False
+    )
+    assert _compat.is_compiled_module(Optimized()) is True
+    assert _compat.is_checkpoint_early_stop(Stop()) is True
