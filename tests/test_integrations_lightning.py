@@ -29,9 +29,9 @@ STEPS = 3
 class Net(L.LightningModule):  # type: ignore[misc]
     """Builds (and, with ``wrap``, wraps) the example towers in ``configure_model``."""
 
-    def __init__(self, wrap: bool = True, idempotent: bool = True) -> None:
+    def __init__(self, wrap: bool = True, idempotent: bool = True, simulated: bool = True) -> None:
         super().__init__()
-        self.wrap, self.idempotent = wrap, idempotent
+        self.wrap, self.idempotent, self.simulated = wrap, idempotent, simulated
         self.net: nn.Module | None = None
         self.losses: list[torch.Tensor] = []
 
@@ -40,7 +40,8 @@ class Net(L.LightningModule):  # type: ignore[misc]
             return
         net = self.net if self.net is not None else build_model()
         if self.wrap:
-            net = ooo_wrap.OOOModule(net, streams=4, backend=SimulatedBackend())
+            backend = SimulatedBackend() if self.simulated else None
+            net = ooo_wrap.OOOModule(net, streams=4, backend=backend)
         self.net = net
 
     def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
@@ -64,8 +65,8 @@ def data() -> Any:
 
 def trainer(**options: Any) -> Any:
     # No validation loader: the "no val_dataloader" warning is Lightning's, not ours.
+    options.setdefault("accelerator", "cpu")
     return L.Trainer(
-        accelerator="cpu",
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -152,3 +153,27 @@ def test_wrapping_the_whole_lightning_module_works(plain_run: Net) -> None:
     trainer().fit(wrapped, data())
     assert wrapped.stats.stage_calls == 4 * STEPS
     assert_same_losses(model, plain_run)
+
+
+@pytest.mark.cuda
+def test_configure_model_builds_and_wraps_on_the_gpu() -> None:
+    # Lightning calls configure_model under the GPU as default device: real side streams.
+    model = Net(simulated=False)
+    trainer(accelerator="gpu", devices=1).fit(model, data())
+    assert isinstance(model.net, ooo_wrap.OOOModule)
+    assert [(e.kind, e.reason) for e in model.net.events][:1] == [
+        (ooo_wrap.EventKind.ENABLED, "accelerator")
+    ]
+    assert model.net.stats.stage_calls == 4 * STEPS
+
+
+@pytest.mark.cuda
+def test_wrapping_in_init_on_a_gpu_machine_falls_back_and_says_why() -> None:
+    # The mistake configure_model avoids: the network is on the CPU when wrapped, so the
+    # wrapper leaves it untouched, and Lightning then moves the plain network to the GPU.
+    model = Net(wrap=False)
+    model.net = ooo_wrap.OOOModule(build_model(), streams=4)
+    assert not isinstance(model.net, ooo_wrap.OOOModule)
+    trainer(accelerator="gpu", devices=1).fit(model, data())
+    assert next(model.net.parameters()).is_cuda
+    assert [event.reason for event in ooo_wrap.events_for(model.net)] == ["cpu"]

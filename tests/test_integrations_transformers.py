@@ -140,6 +140,29 @@ def test_wrapping_the_model_a_trainer_already_holds_works(
     assert model.stats.forwards == STEPS
 
 
+def test_model_init_may_return_a_wrapped_model(tmp_path: Path) -> None:
+    # Trainer(model_init=...) builds the model again in train() (after seeding, so the
+    # dropout stream differs from a model passed in): compared with plain model_init runs.
+    built: list[Any] = []
+
+    def run(init: Any, out: str) -> tuple[Any, list[float]]:
+        args = transformers.TrainingArguments(str(tmp_path / out), **TRAINING)
+        trainer = transformers.Trainer(model_init=init, args=args, train_dataset=dataset())
+        trainer.train()
+        return trainer, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    def wrapped_init() -> Any:
+        built.append(wrap(tiny_gpt2()))
+        return built[-1]
+
+    plain_trainer, plain_losses = run(tiny_gpt2, "plain")
+    trainer, losses = run(wrapped_init, "wrapped")
+    assert len(losses) == STEPS and losses == plain_losses
+    assert trainer.model is built[-1]
+    assert built[-1].stats.forwards == STEPS
+    assert_same_state(trainer.model, plain_trainer.model)
+
+
 def test_trainer_torch_compile_runs_the_stages_inline(
     tmp_path: Path, plain_run: tuple[torch.nn.Module, list[float]]
 ) -> None:
@@ -229,3 +252,25 @@ def test_save_pretrained_of_an_unwrapped_model_is_exact(tmp_path: Path) -> None:
         ooo_wrap.unwrap(wrapped).save_pretrained(tmp_path / "unwrapped")
     for path in plain_dir.iterdir():
         assert path.read_bytes() == (tmp_path / "unwrapped" / path.name).read_bytes(), path.name
+
+
+@pytest.mark.cuda
+def test_wrapping_on_args_device_uses_real_streams(tmp_path: Path) -> None:
+    args = transformers.TrainingArguments(str(tmp_path), **{**TRAINING, "use_cpu": False})
+    model = ooo_wrap.OOOModule(tiny_gpt2().to(args.device), streams=2)
+    assert isinstance(model, ooo_wrap.OOOModule)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset())
+    trainer.train()
+    assert model.events[0].reason == "accelerator"
+    assert model.stats.stage_calls == 2 * STEPS
+
+
+@pytest.mark.cuda
+def test_wrapping_on_the_cpu_before_trainer_falls_back_and_says_why(tmp_path: Path) -> None:
+    # The mistake: Trainer moves the model to the GPU after the wrap left it untouched.
+    args = transformers.TrainingArguments(str(tmp_path), **{**TRAINING, "use_cpu": False})
+    model = ooo_wrap.OOOModule(tiny_gpt2(), streams=2)
+    assert not isinstance(model, ooo_wrap.OOOModule)
+    transformers.Trainer(model=model, args=args, train_dataset=dataset()).train()
+    assert next(model.parameters()).is_cuda
+    assert [event.reason for event in ooo_wrap.events_for(model)] == ["cpu"]
