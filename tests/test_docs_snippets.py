@@ -233,3 +233,13 @@ def test_snippet_extraction_follows_headings() -> None:
         ]
     )
     assert using_with_snippets(markdown) == [("Using with X", "a = 1\n"), ("Details", "b = 2\n")]
+
+
+def test_only_the_trainer_snippets_need_the_integrations_extra() -> None:
+    used = {name: _integrations_used(code) for name, code in _all_snippets()}
+    needing = {name: modules for name, modules in used.items() if modules}
+    assert needing == {
+        "README.md:Hugging Face Trainer": ["transformers"],
+        "README.md:Accelerate": ["accelerate"],
+        "README.md:Lightning": ["lightning"],
+    }
