@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ooo_wrap
+import ooo_wrap.testing
 from ooo_wrap.testing import SimulatedBackend
 
 pytestmark = pytest.mark.integrations
@@ -274,3 +275,17 @@ def test_wrapping_on_the_cpu_before_trainer_falls_back_and_says_why(tmp_path: Pa
     transformers.Trainer(model=model, args=args, train_dataset=dataset()).train()
     assert next(model.parameters()).is_cuda
     assert [event.reason for event in ooo_wrap.events_for(model)] == ["cpu"]
+
+
+def test_tied_embeddings_across_two_stages_pass_the_race_check() -> None:
+    # wte (in the "transformer" stage) and lm_head are one parameter on two side streams:
+    # its gradient is accumulated from both, which the checker models as the engine does.
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    report = ooo_wrap.testing.check(
+        tiny_gpt2(), x, loss_fn=lambda out: out.logits.square().mean(), streams=2
+    )
+    assert report.ok, str(report)
+    assert report.notes == (
+        "enabled/simulated: 2 stages on 2 side streams (cpu, simulated backend)",
+    )
+    assert ooo_wrap.plan(tiny_gpt2(), 2).stages[1].name == "lm_head"
