@@ -67,6 +67,19 @@ def _is_distributed(code: str) -> bool:
     return "init_process_group" in code
 
 
+# Snippets importing these need the integrations extra: marked, and skipped without it.
+_INTEGRATIONS = ("transformers", "accelerate", "lightning")
+
+
+def _integrations_used(code: str) -> list[str]:
+    return [m for m in _INTEGRATIONS if re.search(rf"^(from|import) {m}\b", code, re.MULTILINE)]
+
+
+def _snippet_param(name: str, code: str) -> object:
+    marks = [pytest.mark.integrations] if _integrations_used(code) else []
+    return pytest.param(code, id=name, marks=marks)
+
+
 # Runs in each rank: every distributed snippet in turn, each in a fresh namespace and with
 # its own rendezvous port (a rank that finished the previous snippet early must not join
 # the previous store), then one line of results.
@@ -163,9 +176,13 @@ def test_distributed_snippet_runs_on_two_ranks(
 
 
 @pytest.mark.parametrize(
-    "code", [pytest.param(c, id=n) for n, c in _all_snippets() if not _is_distributed(c)]
+    "code", [_snippet_param(n, c) for n, c in _all_snippets() if not _is_distributed(c)]
 )
 def test_snippet_runs(code: str) -> None:
+    for module in _integrations_used(code):
+        pytest.importorskip(
+            module, reason="needs the integrations extra: pip install -e '.[integrations]'"
+        )
     try:
         exec(compile(code, "<snippet>", "exec"), {"__name__": "__snippet__"})
     finally:
@@ -185,6 +202,9 @@ def test_every_doc_has_using_with_snippets() -> None:
         "AMP (autocast and GradScaler)",
         "The PyTorch profiler",
         "Copying and saving",
+        "Hugging Face Trainer",
+        "Accelerate",
+        "Lightning",
     ]
 
 
@@ -213,3 +233,13 @@ def test_snippet_extraction_follows_headings() -> None:
         ]
     )
     assert using_with_snippets(markdown) == [("Using with X", "a = 1\n"), ("Details", "b = 2\n")]
+
+
+def test_only_the_trainer_snippets_need_the_integrations_extra() -> None:
+    used = {name: _integrations_used(code) for name, code in _all_snippets()}
+    needing = {name: modules for name, modules in used.items() if modules}
+    assert needing == {
+        "README.md:Hugging Face Trainer": ["transformers"],
+        "README.md:Accelerate": ["accelerate"],
+        "README.md:Lightning": ["lightning"],
+    }
