@@ -7,7 +7,9 @@ estimated costs, so both speak of the same microseconds.
 Model, per op (a roofline with a floor and an occupancy term)::
 
     flops      from torch.utils.flop_counter's registered formula for the op (mm, addmm,
-               bmm, convolution and its backward, attention, ...); 0 for every other op
+               bmm, convolution and its backward, attention, ...); 0 for every other op.
+               A CPU-only kernel counts as the GPU kernel it stands for (CPU flash
+               attention as flash attention)
     bytes      the bytes of every tensor argument read plus every tensor result written
                (numel * element size; a broadcast view counts its logical size)
     occupancy  min(1, ceil(work / ELEMENTS_PER_BLOCK) / sm_count), work being the largest
@@ -44,10 +46,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 __all__ = ["ELEMENTS_PER_BLOCK", "H200", "OpCost", "ReferenceGPU", "estimate_op", "launches_kernel"]
 
@@ -180,14 +182,46 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+# The code object every formula registered through flop_counter's shape_wrapper shares.
+_SHAPE_WRAPPED = cast(Any, shape_wrapper)(lambda: 0).__code__  # untyped in torch
+
+
+# CPU kernels whose GPU counterpart has a formula and the same leading arguments: the
+# checker records CPU ops but estimates the GPU's.
+_GPU_TWIN: dict[str, Any] = {
+    "_scaled_dot_product_flash_attention_for_cpu": (
+        torch.ops.aten._scaled_dot_product_flash_attention
+    ),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        torch.ops.aten._scaled_dot_product_flash_attention_backward
+    ),
+}
+
+
+def _shapes(value: Any) -> Any:
+    """``value`` with every tensor replaced by its shape, through lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if isinstance(value, (list, tuple)):
+        return [_shapes(item) for item in value]
+    return value
+
+
 def _flops(
     func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
 ) -> int:
     """FLOPs from torch.utils.flop_counter's formula table (keyed by overload packet)."""
-    formula = flop_registry.get(func.overloadpacket)
+    packet = func.overloadpacket
+    formula = flop_registry.get(_GPU_TWIN.get(packet.__name__, packet))
     if formula is None:
         return 0
     try:
+        if getattr(formula, "__code__", None) is _SHAPE_WRAPPED:
+            # The wrapper maps tensors to shapes with a pytree walk that costs ~100 µs a
+            # call; the formula beneath it (functools.wraps keeps it) takes the shapes.
+            raw = formula.__wrapped__
+            shaped = {key: _shapes(value) for key, value in kwargs.items()}
+            return int(raw(*_shapes(list(args)), out_shape=_shapes(out), **shaped))
         return int(formula(*args, **kwargs, out_val=out))
     except Exception:  # a formula that cannot read unusual arguments: count none, not crash
         return 0

@@ -83,3 +83,49 @@ def test_a_reference_gpu_checks_itself() -> None:
         ReferenceGPU("x", ((torch.float32, 1.0),), 1.0, 0, 1.0, 1.0, 1.0)
     assert H200.peak(torch.int64) == 67e12  # not listed: the float32 figure
     assert "H200" in H200.name and "estimate" in H200.name
+
+
+def test_cpu_attention_is_counted_as_the_gpu_kernel_it_stands_for() -> None:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    seen: list[tuple[str, int]] = []
+
+    class Costs(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            seen.append(
+                (func.overloadpacket.__name__, estimate_op(func, args, kwargs or {}, out).flops)
+            )
+            return out
+
+    q = torch.randn(2, 2, 8, 16, requires_grad=True)
+    with Costs():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    forward = sdpa_flop_count(q.shape, q.shape, q.shape)
+    assert ("_scaled_dot_product_flash_attention_for_cpu", forward) in seen
+    backward = [f for name, f in seen if name.endswith("_for_cpu_backward")]
+    assert backward and backward[0] > forward
+
+
+def test_flops_match_the_flop_counter_on_a_convolutional_training_step() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    total = 0
+
+    class Costs(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            nonlocal total
+            out = func(*args, **(kwargs or {}))
+            total += estimate_op(func, args, kwargs or {}, out).flops
+            return out
+
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(5)
+    )
+    x = torch.randn(2, 3, 8, 8)
+    model(x)  # materialise the lazy layer outside both counters
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    with Costs():
+        model(x).sum().backward()
+    assert total == counter.get_total_flops() > 0
