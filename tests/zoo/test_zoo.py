@@ -131,6 +131,27 @@ HF_NAMES = [
 HF_CASES = [Case(name, _hf(name), loss_fn=_hf_loss) for name in HF_NAMES]
 HF_CASES.append(
     Case(
+        "qwen2-moe shared and routed experts",
+        _hf("qwen2-moe"),
+        loss_fn=_hf_loss,
+        stages=tuple(
+            f"model.model.layers.{i}.mlp.{part}"
+            for i in (0, 1)
+            for part in ("shared_expert", "experts")
+        ),
+        streams=2,
+    )
+)
+HF_CASES.append(
+    Case(
+        "switch-transformers experts",
+        _hf("switch-transformers-labels"),
+        loss_fn=_hf_loss,
+        stages=tuple(f"model.encoder.block.1.layer.1.mlp.experts.expert_{i}" for i in range(4)),
+    )
+)
+HF_CASES.append(
+    Case(
         "clip towers",
         _hf("clip"),
         loss_fn=_hf_loss,
