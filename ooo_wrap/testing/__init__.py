@@ -6,7 +6,7 @@ stream race; ``detect()`` runs hand-written multi-stream code under the same det
 
 from ._check import check
 from ._detect import DetectingBackend, Detection, detect, host_read
-from ._report import CheckFailed, CheckReport, ParityEntry, StreamOps
+from ._report import CheckFailed, CheckReport, ParityEntry, StepEstimate, StreamOps
 from ._simulated import SimulatedBackend, StreamCall, VirtualEvent, VirtualStream
 from ._tracker import Access, AllocatorHazard, OpRecord, Race, RaceKind
 
@@ -22,6 +22,7 @@ __all__ = [
     "Race",
     "RaceKind",
     "SimulatedBackend",
+    "StepEstimate",
     "StreamCall",
     "StreamOps",
     "VirtualEvent",

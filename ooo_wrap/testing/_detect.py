@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._cost import estimate_op
 from ._engine import EngineModel
 from ._intercept import OpInterceptor, intercept_new_threads
 from ._ops import TensorUse, is_view_only, storage_key, tensor_uses, tensors_of, written_keys
@@ -184,7 +185,8 @@ class Detection:
             stream, stage = consumer.stream, consumer.stage
         else:
             stream, stage = self.stream_now(), self._stage_now()
-        self._record(str(func), stream, stage, uses)
+        cost = estimate_op(func, args, kwargs, out).device_us
+        self._record(str(func), stream, stage, uses, cost)
         self._engine.created(list(tensors_of(out)), stream, stage)
 
     def _host_read(self, tensor: torch.Tensor) -> None:
@@ -195,7 +197,9 @@ class Detection:
         self._engine.flush()
         key = storage_key(tensor)
         uses = [] if key is None else [TensorUse(tensor, key, is_write=False, fresh=False)]
-        self._record("host_read", self.stream_now(), self._stage_now(), uses)
+        # The device-to-host copy, costed as the copy op it is.
+        cost = estimate_op(torch.ops.aten._to_copy.default, (tensor,), {}, tensor).device_us
+        self._record("host_read", self.stream_now(), self._stage_now(), uses, cost)
 
     def _stage_now(self) -> str | None:
         if self._engine.in_backward:
@@ -203,13 +207,27 @@ class Detection:
         return self._stages[-1] if self._stages else None
 
     def _record(
-        self, op: str, stream: VirtualStream, stage: str | None, uses: list[TensorUse]
+        self,
+        op: str,
+        stream: VirtualStream,
+        stage: str | None,
+        uses: list[TensorUse],
+        cost_us: float,
     ) -> None:
         tracker = self.tracker
         tracker.tick(stream)
         seq = len(self._records)
         phase: Phase = "backward" if self._engine.in_backward else self._phase
-        self._records.append(OpRecord(seq, str(stream), stream.id, op, stage, phase))
+        clock = tuple(
+            sorted(
+                (s.id, n)
+                for s, n in tracker.snapshot(stream).items()
+                if isinstance(s, VirtualStream)
+            )
+        )
+        self._records.append(
+            OpRecord(seq, str(stream), stream.id, op, stage, phase, cost_us, clock)
+        )
         for use in uses:
             if use.fresh:
                 tracker.allocate(use.key, stream)

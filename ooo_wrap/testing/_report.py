@@ -10,9 +10,17 @@ from dataclasses import dataclass
 
 from .._errors import OOOError
 from .._plan import plural
+from ._timeline import Slot, Timeline, lay_out, split_steps
 from ._tracker import AllocatorHazard, OpRecord, Race
 
-__all__ = ["CheckFailed", "CheckReport", "ParityEntry", "StreamOps", "count_ops"]
+__all__ = [
+    "CheckFailed",
+    "CheckReport",
+    "ParityEntry",
+    "StepEstimate",
+    "StreamOps",
+    "count_ops",
+]
 
 
 class CheckFailed(OOOError):
@@ -46,6 +54,32 @@ class StreamOps:
     forward: int
     backward: int
     step: int
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """The last training step's estimated length, wrapped and with the same ops on one stream.
+
+    An estimate from a cost model (roofline per op, launch and fork/join costs on the
+    host; see ``ooo_wrap._cost``) on the reference GPU named in ``gpu``, never a
+    measurement.
+    """
+
+    wrapped_us: float
+    one_stream_us: float
+    gpu: str
+
+    @property
+    def speedup(self) -> float:
+        """One-stream length over wrapped length (above 1: the streams would help)."""
+        return self.one_stream_us / self.wrapped_us if self.wrapped_us > 0 else 1.0
+
+    def __str__(self) -> str:
+        return (
+            f"estimated step: {self.wrapped_us:.1f} µs on these streams vs "
+            f"{self.one_stream_us:.1f} µs on one stream ({self.speedup:.2f}x); "
+            f"an estimate on {self.gpu}, not a measurement"
+        )
 
 
 @dataclass(frozen=True)
@@ -107,6 +141,8 @@ class CheckReport:
             lines.append("  ops per stream   forward  backward  step")
             for row in self.ops:
                 lines.append(f"    {row.stream:<13}{row.forward:>8}{row.backward:>10}{row.step:>6}")
+        if self.trace:
+            lines.append(f"  {self.estimate}")
         for race in self.races:
             lines.append(f"  race: {race}")
         for hazard in self.allocator_hazards:
@@ -116,39 +152,99 @@ class CheckReport:
                 lines.append(f"  parity: {entry.name} differs by {entry.max_abs_diff:g}")
         return "\n".join(lines)
 
+    @property
+    def estimate(self) -> StepEstimate:
+        """The last step's estimated length on the wrapped schedule and on one stream."""
+        steps = split_steps(self.trace)
+        last = steps[-1] if steps else []
+        wrapped, serial = lay_out(last), lay_out(last, one_stream=True)
+        return StepEstimate(wrapped.length_us, serial.length_us, wrapped.gpu.name)
+
     def raise_if_failed(self) -> None:
         """Raise :class:`CheckFailed` (an ``OOOError``) with this report unless :attr:`ok`."""
         if not self.ok:
             raise CheckFailed(str(self))
 
     def save_trace(self, path: str | os.PathLike[str]) -> None:
-        """Write a Chrome trace JSON: one track per virtual stream, ops in order.
+        """Write a Chrome trace JSON for Perfetto or ``chrome://tracing``.
 
-        Each op is a 1 µs slice at its position in the run (time is simulated), named by
-        its op and carrying its stage and phase; Perfetto and ``chrome://tracing`` open it.
+        One track per virtual stream. Time is estimated, not measured: each op lasts its
+        estimated device time on the reference GPU named in the process name, laid out as
+        ``ooo_wrap.testing._timeline`` describes (host launches in order, each stream in
+        order, every wait honoured). Waits are flow arrows from the op waited for to the
+        first op after the wait; each race is an arrow between its two accesses plus a
+        marker on the later one; each allocator hazard a marker on its access.
         """
-        events: list[dict[str, object]] = [
-            {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "ooo_wrap"}}
-        ]
-        for index, name in sorted({(r.stream_index, r.stream) for r in self.trace}):
-            events.append(
-                {"ph": "M", "name": "thread_name", "pid": 1, "tid": index, "args": {"name": name}}
-            )
-        for record in self.trace:
+        timeline = lay_out(self.trace)
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump({"traceEvents": trace_events(timeline, self), "displayTimeUnit": "ns"}, file)
+
+
+def trace_events(timeline: Timeline, report: CheckReport) -> list[dict[str, object]]:
+    """The Chrome trace events of ``timeline``, with ``report``'s findings marked on it."""
+    process = f"ooo_wrap check: estimated µs on {timeline.gpu.name}"
+    events: list[dict[str, object]] = [
+        {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": process}}
+    ]
+    for index, name in sorted({(s.record.stream_index, s.record.stream) for s in timeline.slots}):
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": index, "args": {"name": name}}
+        )
+    by_seq = {slot.record.seq: slot for slot in timeline.slots}
+    for slot in timeline.slots:
+        record = slot.record
+        events.append(
+            {
+                "ph": "X",
+                "name": record.op.removeprefix("aten."),
+                "cat": record.phase,
+                "pid": 1,
+                "tid": record.stream_index,
+                "ts": slot.start,
+                "dur": slot.end - slot.start,
+                "args": {"stage": record.stage or "", "phase": record.phase, "seq": record.seq},
+            }
+        )
+    arrows = [("wait", source, target) for source, target in timeline.waits]
+    arrows += [("race", r.earlier.seq, r.later.seq) for r in report.races]
+    for flow_id, (cat, source, target) in enumerate(arrows, start=1):
+        if source in by_seq and target in by_seq:
+            events.append(_flow("s", cat, flow_id, by_seq[source]))
+            events.append(_flow("f", cat, flow_id, by_seq[target]))
+    marks = [(f"race: {r.kind}", str(r), r.later.seq) for r in report.races]
+    marks += [("allocator hazard", str(h), h.access.seq) for h in report.allocator_hazards]
+    for name, detail, seq in marks:
+        if seq in by_seq:
+            slot = by_seq[seq]
             events.append(
                 {
-                    "ph": "X",
-                    "name": record.op.removeprefix("aten."),
-                    "cat": record.phase,
+                    "ph": "i",
+                    "s": "t",
+                    "name": name,
+                    "cat": "finding",
                     "pid": 1,
-                    "tid": record.stream_index,
-                    "ts": record.seq,
-                    "dur": 1,
-                    "args": {"stage": record.stage or "", "phase": record.phase},
+                    "tid": slot.record.stream_index,
+                    "ts": slot.start,
+                    "args": {"detail": detail},
                 }
             )
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, file)
+    return events
+
+
+def _flow(phase: str, cat: str, flow_id: int, slot: Slot) -> dict[str, object]:
+    """One end of a flow arrow, inside ``slot`` so Perfetto binds it to that op."""
+    event: dict[str, object] = {
+        "ph": phase,
+        "id": flow_id,
+        "name": cat,
+        "cat": cat,
+        "pid": 1,
+        "tid": slot.record.stream_index,
+        "ts": (slot.start + slot.end) / 2,
+    }
+    if phase == "f":
+        event["bp"] = "e"
+    return event
 
 
 def count_ops(records: Sequence[OpRecord]) -> tuple[StreamOps, ...]:

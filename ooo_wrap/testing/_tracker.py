@@ -117,7 +117,12 @@ class AllocatorHazard:
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One recorded op, for the per-stream counts and the trace."""
+    """One recorded op, for the per-stream counts and the trace.
+
+    ``cost_us`` is the op's estimated device time (0: no kernel) and ``clock`` its
+    stream's vector clock once the op was counted, as ``(stream_index, ops)`` pairs: what
+    the trace lays out on its virtual time axis.
+    """
 
     seq: int
     stream: str
@@ -125,6 +130,8 @@ class OpRecord:
     op: str
     stage: str | None
     phase: Phase
+    cost_us: float = 0.0
+    clock: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

@@ -1,0 +1,270 @@
+"""A cost model for one dispatched aten op: estimated device time on a named reference GPU.
+
+It is an estimate, never a measurement: nothing here runs on a device. Shared by the race
+checker's trace (which lays ops out on a virtual clock) and by anything that plans from
+estimated costs, so both speak of the same microseconds.
+
+Model, per op (a roofline with a floor and an occupancy term)::
+
+    flops      from torch.utils.flop_counter's registered formula for the op (mm, addmm,
+               bmm, convolution and its backward, attention, ...); 0 for every other op.
+               A CPU-only kernel counts as the GPU kernel it stands for (CPU flash
+               attention as flash attention)
+    bytes      the bytes of every tensor argument read plus every tensor result written
+               (numel * element size; a broadcast view counts its logical size)
+    occupancy  min(1, ceil(work / ELEMENTS_PER_BLOCK) / sm_count), work being the largest
+               numel among the op's tensors: a kernel too small to fill the SMs gets only
+               that fraction of the peak FLOP/s and of the memory bandwidth
+    device_us  max(flops / (peak(dtype) * occupancy), bytes / (bandwidth * occupancy))
+               * 1e6 + kernel_floor_us
+
+Views and metadata ops (``func.is_view``, ``empty``, ``size``, ``lift_fresh``, ...) launch
+no kernel: they cost 0 and ``launches`` is False. The host issues ops one at a time,
+``launch_us`` each; moving a stage to a side stream and back costs the host
+``fork_join_us``. Concurrent kernels are not modelled here; callers that overlap them
+decide how (the trace assumes they do not slow each other).
+
+API (stable)::
+
+    ReferenceGPU          frozen dataclass: name, peak_flops, memory_bandwidth, sm_count,
+                          kernel_floor_us, launch_us, fork_join_us; .peak(dtype)
+    H200                  the default ReferenceGPU (public NVIDIA H200 SXM numbers)
+    OpCost                frozen dataclass: flops, bytes, occupancy, device_us, launches
+    launches_kernel(func) whether an op launches a device kernel at all
+    estimate_op(func, args, kwargs, out, gpu=H200) -> OpCost
+
+Example::
+
+    >>> a, b = torch.randn(64, 128), torch.randn(128, 32)
+    >>> cost = estimate_op(torch.ops.aten.mm.default, (a, b), {}, a @ b)
+    >>> cost.flops
+    524288
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+__all__ = ["ELEMENTS_PER_BLOCK", "H200", "OpCost", "ReferenceGPU", "estimate_op", "launches_kernel"]
+
+# Elements one thread block handles (a 64x64 output tile, or 256 threads x 16 elements):
+# what decides whether a kernel has enough blocks to occupy every SM.
+ELEMENTS_PER_BLOCK = 4096
+
+# Ops that allocate, describe or re-tag memory without launching a kernel.
+_NO_KERNEL = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "lift_fresh",
+        "resize_",
+        "set_",
+        "size",
+        "stride",
+        "numel",
+        "dim",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "is_same_size",
+        "record_stream",
+        "_has_compatible_shallow_copy_type",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ReferenceGPU:
+    """The numbers an estimate is computed from; named so every estimate can say whose.
+
+    Attributes:
+        name: shown next to every estimate.
+        peak_flops: dense peak FLOP/s per dtype, as ``(dtype, flops)`` pairs.
+        memory_bandwidth: bytes per second.
+        sm_count: streaming multiprocessors, for the occupancy term.
+        kernel_floor_us: the least device time of any kernel (launch latency and tail).
+        launch_us: host time to issue one op from eager PyTorch.
+        fork_join_us: host time to run one stage call on a side stream and join it back
+            (event records, waits and ``record_stream`` on entry and exit).
+    """
+
+    name: str
+    peak_flops: tuple[tuple[torch.dtype, float], ...]
+    memory_bandwidth: float
+    sm_count: int
+    kernel_floor_us: float
+    launch_us: float
+    fork_join_us: float
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops or any(flops <= 0 for _, flops in self.peak_flops):
+            raise ValueError(f"ReferenceGPU {self.name!r}: peak_flops needs positive entries")
+        if self.memory_bandwidth <= 0 or self.sm_count <= 0:
+            raise ValueError(
+                f"ReferenceGPU {self.name!r}: memory_bandwidth and sm_count must be positive"
+            )
+
+    def peak(self, dtype: torch.dtype) -> float:
+        """Peak FLOP/s for ``dtype``; the float32 entry (or the first) for dtypes not listed."""
+        table = dict(self.peak_flops)
+        return table.get(dtype, table.get(torch.float32, self.peak_flops[0][1]))
+
+
+# NVIDIA H200 SXM datasheet, dense (no sparsity) peaks: FP64 34 TFLOPS (67 on tensor cores),
+# FP32 67 TFLOPS, BF16/FP16 tensor cores 989 TFLOPS, FP8 and INT8 1979; HBM3e 4.8 TB/s;
+# 132 SMs. float32 matmuls use the FP32 figure because PyTorch's default float32 matmul
+# precision ("highest") does not use TF32. The three host/device floors are typical eager
+# PyTorch figures, not measured on this GPU: estimates, like everything computed from them.
+H200 = ReferenceGPU(
+    name="NVIDIA H200 SXM (estimate from public specs)",
+    peak_flops=(
+        (torch.float64, 67e12),
+        (torch.float32, 67e12),
+        (torch.bfloat16, 989e12),
+        (torch.float16, 989e12),
+        (torch.float8_e4m3fn, 1979e12),
+        (torch.float8_e5m2, 1979e12),
+        (torch.int8, 1979e12),
+    ),
+    memory_bandwidth=4.8e12,
+    sm_count=132,
+    kernel_floor_us=2.0,
+    launch_us=5.0,
+    fork_join_us=10.0,
+)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op's estimated cost on a :class:`ReferenceGPU`.
+
+    Attributes:
+        flops: from the op's registered FLOP formula, 0 if it has none.
+        bytes: bytes read from tensor arguments plus bytes written to tensor results.
+        occupancy: fraction of the SMs the kernel can fill, in (0, 1].
+        device_us: estimated device time in µs; 0 when the op launches no kernel.
+        launches: whether the op launches a kernel (views and metadata ops do not).
+    """
+
+    flops: int
+    bytes: int
+    occupancy: float
+    device_us: float
+    launches: bool
+
+
+_FREE = OpCost(flops=0, bytes=0, occupancy=1.0, device_us=0.0, launches=False)
+
+
+def launches_kernel(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` launches a device kernel (views and metadata ops do not)."""
+    return not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an argument or result: a tensor, or nested lists/tuples/dicts of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, Mapping):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+# The code object every formula registered through flop_counter's shape_wrapper shares.
+_SHAPE_WRAPPED = cast(Any, shape_wrapper)(lambda: 0).__code__  # untyped in torch
+
+
+# CPU kernels whose GPU counterpart has a formula and the same leading arguments: the
+# checker records CPU ops but estimates the GPU's.
+_GPU_TWIN: dict[str, Any] = {
+    "_scaled_dot_product_flash_attention_for_cpu": (
+        torch.ops.aten._scaled_dot_product_flash_attention
+    ),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        torch.ops.aten._scaled_dot_product_flash_attention_backward
+    ),
+}
+
+
+def _shapes(value: Any) -> Any:
+    """``value`` with every tensor replaced by its shape, through lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if isinstance(value, (list, tuple)):
+        return [_shapes(item) for item in value]
+    return value
+
+
+def _flops(
+    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
+) -> int:
+    """FLOPs from torch.utils.flop_counter's formula table (keyed by overload packet)."""
+    packet = func.overloadpacket
+    formula = flop_registry.get(_GPU_TWIN.get(packet.__name__, packet))
+    if formula is None:
+        return 0
+    try:
+        if getattr(formula, "__code__", None) is _SHAPE_WRAPPED:
+            # The wrapper maps tensors to shapes with a pytree walk that costs ~100 µs a
+            # call; the formula beneath it (functools.wraps keeps it) takes the shapes.
+            raw = formula.__wrapped__
+            shaped = {key: _shapes(value) for key, value in kwargs.items()}
+            return int(raw(*_shapes(list(args)), out_shape=_shapes(out), **shaped))
+        return int(formula(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that cannot read unusual arguments: count none, not crash
+        return 0
+
+
+def estimate_op(
+    func: torch._ops.OpOverload,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    out: Any,
+    gpu: ReferenceGPU = H200,
+) -> OpCost:
+    """Estimate one dispatched op's device time on ``gpu`` (see the module docstring).
+
+    Args:
+        func: the aten overload, as a ``TorchDispatchMode`` sees it.
+        args, kwargs: its arguments (real, fake or meta tensors: only shapes are read).
+        out: its result.
+        gpu: the reference GPU; :data:`H200` by default.
+
+    Returns:
+        An :class:`OpCost`; all zero with ``launches=False`` for views and metadata ops.
+    """
+    if not launches_kernel(func):
+        return _FREE
+    inputs = _tensors(list(args)) + _tensors(dict(kwargs))
+    outputs = _tensors(out)
+    tensors = inputs + outputs
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    flops = _flops(func, args, kwargs, out)
+    work = max((t.numel() for t in tensors), default=0)
+    occupancy = min(1.0, max(1, math.ceil(work / ELEMENTS_PER_BLOCK)) / gpu.sm_count)
+    dtype = next(
+        (t.dtype for t in inputs if t.is_floating_point()),
+        inputs[0].dtype if inputs else torch.float32,
+    )
+    seconds = max(
+        flops / (gpu.peak(dtype) * occupancy), nbytes / (gpu.memory_bandwidth * occupancy)
+    )
+    return OpCost(
+        flops=flops,
+        bytes=nbytes,
+        occupancy=occupancy,
+        device_us=seconds * 1e6 + gpu.kernel_floor_us,
+        launches=True,
+    )

@@ -1,0 +1,137 @@
+"""The checker's ops on an estimated time axis: what the trace draws and the step estimate.
+
+Each recorded op carries its estimated device time (``ooo_wrap._cost``, on a named
+reference GPU) and its stream's vector clock. Laying them out:
+
+1. The host issues ops one at a time in the order they were recorded; each kernel costs
+   it ``launch_us`` and can start only once issued.
+2. An op starts after the previous op on its stream, and after every op its clock says it
+   waits for (an event recorded on another stream and waited on here, by the scheduler
+   or by the autograd engine): the waits are the clock's new entries since the previous
+   op on the stream. Each wait costs the host half of ``fork_join_us`` (an event record
+   and a wait).
+3. A host sync (``.item()``, :func:`host_read`) blocks the host until the op is done.
+4. Concurrent kernels do not slow each other: optimistic where both would fill the GPU.
+
+The same ops laid out on one stream (every op after the previous one, no waits, no
+fork/join cost) give the baseline the report compares against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._cost import H200, ReferenceGPU
+from ._tracker import OpRecord
+
+__all__ = ["Slot", "Timeline", "lay_out", "split_steps"]
+
+# Ops after which the host holds until the device is done.
+_HOST_SYNC = frozenset({"aten._local_scalar_dense.default", "host_read"})
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One op placed on the time axis, in estimated µs from the start."""
+
+    record: OpRecord
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Ops laid out in time, the waits between them, and the span they take.
+
+    Attributes:
+        slots: one per record, in record order.
+        waits: ``(producer seq, consumer seq)``: the consumer's stream waited for the
+            producer (only waits that the ops' clocks show and no other wait implies).
+        length_us: from the first issue to the end of the last op or host sync.
+        gpu: the reference GPU the costs were estimated on.
+    """
+
+    slots: tuple[Slot, ...]
+    waits: tuple[tuple[int, int], ...]
+    length_us: float
+    gpu: ReferenceGPU
+
+
+def lay_out(
+    records: Sequence[OpRecord], *, one_stream: bool = False, gpu: ReferenceGPU = H200
+) -> Timeline:
+    """Place ``records`` on the estimated time axis (see the module docstring).
+
+    Args:
+        records: recorded ops in their host order; waits on ops outside them count as met.
+        one_stream: lay the same ops out on a single stream instead.
+        gpu: whose host costs (launch, fork/join) apply; the ops' device costs were
+            estimated when they were recorded.
+    """
+    end_of: dict[tuple[int, int], float] = {}  # (stream, its op count) -> end
+    record_of: dict[tuple[int, int], OpRecord] = {}
+    last_clock: dict[int, dict[int, int]] = {}
+    stream_end: dict[int, float] = {}
+    slots: list[Slot] = []
+    waits: list[tuple[int, int]] = []
+    host = 0.0
+    for record in records:
+        own = record.stream_index
+        clock = dict(record.clock)
+        if one_stream:
+            ready = max(stream_end.values(), default=0.0)
+        else:
+            for source in _direct_waits(clock, last_clock.get(own, {}), own, record_of):
+                waits.append((source.seq, record.seq))
+                host += gpu.fork_join_us / 2
+            last_clock[own] = clock
+            ready = max(
+                [stream_end.get(own, 0.0)]
+                + [end_of.get((s, n), 0.0) for s, n in clock.items() if s != own]
+            )
+        if record.cost_us > 0:
+            host += gpu.launch_us
+        start = max(host, ready)
+        end = start + record.cost_us
+        if record.op in _HOST_SYNC:
+            host = max(host, end)
+        stream_end[own] = max(stream_end.get(own, 0.0), end)
+        if own in clock:
+            end_of[(own, clock[own])] = end
+            record_of[(own, clock[own])] = record
+        slots.append(Slot(record, start, end))
+    length = max([host, *stream_end.values()], default=0.0)
+    return Timeline(tuple(slots), tuple(waits), length, gpu)
+
+
+def _direct_waits(
+    clock: dict[int, int],
+    before: dict[int, int],
+    own: int,
+    record_of: dict[tuple[int, int], OpRecord],
+) -> list[OpRecord]:
+    """The ops this op's stream newly waited for, less those another new wait implies."""
+    new = {s: n for s, n in clock.items() if s != own and n > before.get(s, 0)}
+    direct = []
+    for stream, count in new.items():
+        implied = False
+        for other, other_count in new.items():
+            source = record_of.get((other, other_count))
+            if other != stream and source is not None:
+                implied = implied or dict(source.clock).get(stream, 0) >= count
+        if not implied and (stream, count) in record_of:
+            direct.append(record_of[(stream, count)])
+    return direct
+
+
+def split_steps(records: Sequence[OpRecord]) -> list[list[OpRecord]]:
+    """The records of each training step: a step starts at a forward op after another phase."""
+    steps: list[list[OpRecord]] = []
+    previous = None
+    for record in records:
+        if not steps or (record.phase == "forward" and previous != "forward"):
+            steps.append([])
+        steps[-1].append(record)
+        previous = record.phase
+    return steps

@@ -1,0 +1,232 @@
+"""The zoo: ``check()`` over the architectures a user would try, opt-in (``pytest -m zoo``).
+
+Each model is built offline at a tiny size with random weights: transformers models from
+their configs (``tests/zoo/hf.py``, needs the ``zoo`` extra), CNNs as hand-written
+replicas of torchvision/timm block structure (``tests/zoo/cnn.py``; torchvision's wheel
+here breaks the CPU torch). Each case runs ``check()`` twice from the same seed and must
+give the same findings both times (stable) and none at all (clean, bitwise parity).
+Known false alarms of the checker are ``xfail`` with the reason, not hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ooo_wrap.testing import CheckReport, check
+from tests.zoo import cnn
+
+pytestmark = pytest.mark.zoo
+
+Build = Callable[[], tuple[nn.Module, tuple[Any, ...]]]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One zoo entry: how to build it, how to train it, which stages to check."""
+
+    name: str
+    build: Build
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    stages: tuple[str, ...] | None = None
+    streams: int = 4
+
+
+def _images(size: int = 32) -> tuple[torch.Tensor]:
+    return (torch.randn(2, 3, size, size),)
+
+
+def _cnn(factory: Callable[[], nn.Module], size: int = 32) -> Build:
+    return lambda: (factory(), _images(size))
+
+
+def _first(output: Any) -> torch.Tensor:
+    """GoogLeNet's loss: the main logits plus the auxiliary head's, as its training does."""
+    main, aux = output
+    return main.pow(2).mean() + (0 if aux is None else 0.3 * aux.pow(2).mean())
+
+
+_BRANCHES = ("branch1", "branch2", "branch3", "branch4")
+
+CNN_CASES = [
+    Case("resnet (replica)", _cnn(cnn.ResNet)),
+    Case(
+        "inception (replica)",
+        _cnn(
+            lambda: nn.Sequential(cnn.conv_bn(3, 16), cnn.Inception(16, 4), cnn.Inception(16, 4)),
+            16,
+        ),
+    ),
+    Case(
+        "inception branches (replica)",
+        _cnn(
+            lambda: nn.Sequential(cnn.conv_bn(3, 16), cnn.Inception(16, 4), cnn.Inception(16, 4)),
+            16,
+        ),
+        stages=tuple(f"{block}.{b}" for block in ("1", "2") for b in _BRANCHES),
+    ),
+    Case("googlenet with aux head (replica)", _cnn(cnn.GoogLeNet), loss_fn=_first),
+    Case("hrnet (replica)", _cnn(cnn.HRNet)),
+    Case(
+        "hrnet branches (replica)",
+        _cnn(cnn.HRNet),
+        stages=("stage2.branches.0", "stage2.branches.1", "stage3.branches.0", "stage3.branches.1"),
+    ),
+    Case(
+        "hrnet fuse in linear layers",
+        lambda: (cnn.LinearFuse(), (torch.randn(4, 8),)),
+        stages=("branches.0", "branches.1"),
+        streams=2,
+    ),
+    Case("squeezenet (replica)", _cnn(cnn.SqueezeNet)),
+    Case(
+        "squeezenet fire expands (replica)",
+        _cnn(cnn.SqueezeNet),
+        stages=tuple(f"features.{i}.expand{k}" for i in (2, 3, 5) for k in ("1x1", "3x3")),
+    ),
+    Case("densenet (replica)", _cnn(cnn.DenseNet)),
+    Case("mobilenet_v2 (replica)", _cnn(cnn.MobileNetV2)),
+    Case("efficientnet (replica)", _cnn(cnn.EfficientNet)),
+]
+
+
+def _hf(name: str) -> Build:
+    def build() -> tuple[nn.Module, tuple[Any, ...]]:
+        pytest.importorskip("transformers", reason="the zoo extra: pip install ooo-wrap[zoo]")
+        from tests.zoo import hf
+
+        model, inputs = hf.BUILDERS[name]()
+        return model.train(), inputs
+
+    return build
+
+
+def _hf_loss(output: Any) -> torch.Tensor:
+    from tests.zoo import hf
+
+    return hf.loss_of(output)
+
+
+HF_NAMES = [
+    "bert",
+    "bert-checkpoint-reentrant",
+    "bert-checkpoint",
+    "distilbert",
+    "gpt2",
+    "llama",
+    "t5-labels",
+    "switch-transformers-labels",
+    "bart-labels",
+    "whisper-labels",
+    "vit",
+    "clip",
+    "qwen2-moe",
+    "mixtral",
+]
+HF_CASES = [Case(name, _hf(name), loss_fn=_hf_loss) for name in HF_NAMES]
+HF_CASES.append(
+    Case(
+        "qwen2-moe shared and routed experts",
+        _hf("qwen2-moe"),
+        loss_fn=_hf_loss,
+        stages=tuple(
+            f"model.model.layers.{i}.mlp.{part}"
+            for i in (0, 1)
+            for part in ("shared_expert", "experts")
+        ),
+        streams=2,
+    )
+)
+HF_CASES.append(
+    Case(
+        "switch-transformers experts",
+        _hf("switch-transformers-labels"),
+        loss_fn=_hf_loss,
+        stages=tuple(f"model.encoder.block.1.layer.1.mlp.experts.expert_{i}" for i in range(4)),
+    )
+)
+HF_CASES.append(
+    Case(
+        "clip towers",
+        _hf("clip"),
+        loss_fn=_hf_loss,
+        stages=("model.text_model", "model.vision_model"),
+        streams=2,
+    )
+)
+
+# The checker's own false alarms on these models, as run on torch 2.13 (CPU): the
+# wrapper's protocol holds, the finding is the checker's. Kept visible as xfail, not
+# strict: each turns into a pass once the checker models the case.
+_ONE_GRADIENT_TWO_CONSUMERS = (
+    "checker false alarm: one gradient storage handed to two consumers (a + up(b); cat's "
+    "backward gives views of one gradient to each input); the engine model keys its pending "
+    "consumers by storage, so an accumulation lands on the wrong stream: a false "
+    "read-after-write race and a missing record_stream"
+)
+_INVISIBLE_ALLOCATION = (
+    "checker false alarm, flips between runs: the scalar written by shifting the labels "
+    "right (`shifted[..., 0] = start_token`) is allocated outside the dispatcher (it reaches "
+    "it only as lift_fresh), so its reused address inherits a stale history: a false "
+    "allocator hazard on aten.fill_ in some runs"
+)
+KNOWN_FALSE_ALARMS: dict[str, str] = {
+    "hrnet branches (replica)": _ONE_GRADIENT_TWO_CONSUMERS,
+    "hrnet fuse in linear layers": _ONE_GRADIENT_TWO_CONSUMERS,
+    "densenet (replica)": _ONE_GRADIENT_TWO_CONSUMERS,
+    "bert-checkpoint-reentrant": (
+        "checker false alarm: after a reentrant checkpoint the outer backward frame is never "
+        "popped and the nested end-of-backward leaves a side stream current, so the next "
+        "step's forward (nll_loss on the labels) is labelled backward on side1: a false "
+        "allocator hazard"
+    ),
+    "t5-labels": _INVISIBLE_ALLOCATION,
+    "bart-labels": _INVISIBLE_ALLOCATION,
+    "switch-transformers-labels": _INVISIBLE_ALLOCATION,
+}
+
+CASES = [
+    pytest.param(
+        case,
+        id=case.name,
+        marks=[pytest.mark.xfail(reason=KNOWN_FALSE_ALARMS[case.name], strict=False)]
+        if case.name in KNOWN_FALSE_ALARMS
+        else [],
+    )
+    for case in CNN_CASES + HF_CASES
+]
+
+
+def _run(case: Case) -> CheckReport:
+    torch.manual_seed(0)
+    model, inputs = case.build()
+    return check(
+        model,
+        *inputs,
+        loss_fn=case.loss_fn,
+        streams=case.streams,
+        stages=list(case.stages) if case.stages is not None else None,
+        steps=2,
+    )
+
+
+def _findings(report: CheckReport) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    return (
+        tuple(str(race) for race in report.races),
+        tuple(str(hazard) for hazard in report.allocator_hazards),
+        tuple(entry.name for entry in report.parity if not entry.exact),
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_zoo_model_is_clean_and_stable(case: Case) -> None:
+    first = _run(case)
+    second = _run(case)
+    assert _findings(first) == _findings(second), f"verdict flips between runs:\n{first}\n{second}"
+    assert first.ops and sum(row.backward for row in first.ops) > 0
+    assert first.ok, str(first)
