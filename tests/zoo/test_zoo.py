@@ -5,7 +5,6 @@ their configs (``tests/zoo/hf.py``, needs the ``zoo`` extra), CNNs as hand-writt
 replicas of torchvision/timm block structure (``tests/zoo/cnn.py``; torchvision's wheel
 here breaks the CPU torch). Each case runs ``check()`` twice from the same seed and must
 give the same findings both times (stable) and none at all (clean, bitwise parity).
-Known false alarms of the checker are ``xfail`` with the reason, not hidden.
 """
 
 from __future__ import annotations
@@ -160,46 +159,7 @@ HF_CASES.append(
     )
 )
 
-# The checker's own false alarms on these models, as run on torch 2.13 (CPU): the
-# wrapper's protocol holds, the finding is the checker's. Kept visible as xfail, not
-# strict: each turns into a pass once the checker models the case.
-_ONE_GRADIENT_TWO_CONSUMERS = (
-    "checker false alarm: one gradient storage handed to two consumers (a + up(b); cat's "
-    "backward gives views of one gradient to each input); the engine model keys its pending "
-    "consumers by storage, so an accumulation lands on the wrong stream: a false "
-    "read-after-write race and a missing record_stream"
-)
-_INVISIBLE_ALLOCATION = (
-    "checker false alarm, flips between runs: the scalar written by shifting the labels "
-    "right (`shifted[..., 0] = start_token`) is allocated outside the dispatcher (it reaches "
-    "it only as lift_fresh), so its reused address inherits a stale history: a false "
-    "allocator hazard on aten.fill_ in some runs"
-)
-KNOWN_FALSE_ALARMS: dict[str, str] = {
-    "hrnet branches (replica)": _ONE_GRADIENT_TWO_CONSUMERS,
-    "hrnet fuse in linear layers": _ONE_GRADIENT_TWO_CONSUMERS,
-    "densenet (replica)": _ONE_GRADIENT_TWO_CONSUMERS,
-    "bert-checkpoint-reentrant": (
-        "checker false alarm: after a reentrant checkpoint the outer backward frame is never "
-        "popped and the nested end-of-backward leaves a side stream current, so the next "
-        "step's forward (nll_loss on the labels) is labelled backward on side1: a false "
-        "allocator hazard"
-    ),
-    "t5-labels": _INVISIBLE_ALLOCATION,
-    "bart-labels": _INVISIBLE_ALLOCATION,
-    "switch-transformers-labels": _INVISIBLE_ALLOCATION,
-}
-
-CASES = [
-    pytest.param(
-        case,
-        id=case.name,
-        marks=[pytest.mark.xfail(reason=KNOWN_FALSE_ALARMS[case.name], strict=False)]
-        if case.name in KNOWN_FALSE_ALARMS
-        else [],
-    )
-    for case in CNN_CASES + HF_CASES
-]
+CASES = [pytest.param(case, id=case.name) for case in CNN_CASES + HF_CASES]
 
 
 def _run(case: Case) -> CheckReport:
