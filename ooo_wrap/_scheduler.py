@@ -6,6 +6,9 @@ For one stage call, with ``ambient`` the caller's current stream and ``s`` the s
    producer of the inputs (earlier stages were already joined into ``ambient``).
 2. Each input tensor gets ``record_stream(s)``: autograd may save it and read it on ``s``
    in backward, so the allocator must not hand its block to ``ambient`` meanwhile.
+   This is done before step 1's event is recorded (and outputs' ``record_stream`` before
+   step 4's event): older CUDA Stream Sanitizers count ``record_stream`` as a write on
+   the current stream, and the event must cover it.
 3. ``s`` becomes current and the stage runs; autograd records ``s`` on its nodes, so
    the engine runs their backward on ``s`` too.
 4. Post-hook, always (even if the stage raised): an event ``e`` is recorded on ``s``;
@@ -212,13 +215,15 @@ class Scheduler:
             frames.append(_Frame(stage, None))
             return
         stream = stage.stream
-        # 1. s waits on everything queued on ambient so far.
-        backend.wait_event(stream, backend.record_event(ambient))
         # 2. Inputs: s may read them in backward; keep their blocks from ambient's reuse.
+        # Before the fork event: older CUDA Stream Sanitizers count record_stream as a
+        # write on the current stream, which the event must then cover.
         inputs = tensors_in(args)
         if kwargs:
             inputs += tensors_in(kwargs)
         recorded = _record_stream(backend, inputs, stage.device, stream)
+        # 1. s waits on everything queued on ambient so far.
+        backend.wait_event(stream, backend.record_event(ambient))
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
         frames.append(_Frame(stage, ambient))
@@ -245,9 +250,10 @@ class Scheduler:
             stream = stage.stream
             recorded = 0
             try:
-                # 4. e marks all the stage's work; outputs are read on ambient from now on.
-                event = backend.record_event(stream)
+                # 4. Outputs are read on ambient from now on; e then marks all the stage's
+                # work, record_stream included (see step 2 for why that order).
                 recorded = _record_stream(backend, tensors_in(output), stage.device, ambient)
+                event = backend.record_event(stream)
             finally:
                 backend.set_stream(ambient)
             backend.wait_event(ambient, event)

@@ -64,12 +64,14 @@ def _stage_calls(
     """DESIGN §4 steps 1-5 for one stage call with one tensor in and one out."""
     return [
         ("current_stream", DEFAULT, None, None),  # ambient
+        # record_stream comes before each event record: older CUDA Stream Sanitizers
+        # count record_stream as a write on the current stream, which the event must cover.
+        ("record_stream", side, None, tensor_in),  # 2. inputs kept alive for s
         ("record_event", DEFAULT, fork, None),  # 1. s waits on ambient ...
         ("wait_event", side, fork, None),
-        ("record_stream", side, None, tensor_in),  # 2. inputs kept alive for s
         ("set_stream", side, None, None),  # 3. switch; the stage runs here
-        ("record_event", side, join, None),  # 4. e on s ...
         ("record_stream", DEFAULT, None, tensor_out),  # outputs read on ambient
+        ("record_event", side, join, None),  # 4. e on s ...
         ("set_stream", DEFAULT, None, None),  # ambient restored
         ("wait_event", DEFAULT, join, None),  # ambient waits on e
     ]
