@@ -24,8 +24,10 @@ two stage hooks, so a model wrapped without ``profile_ranges`` pays nothing for 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -99,21 +101,47 @@ class _Frame:
 
     # ``profile_range`` is set and read only by ProfiledScheduler's hooks, so plain frames
     # never pay for it.
-    __slots__ = ("ambient", "outer_exception", "profile_range", "stage")
+    __slots__ = ("ambient", "module", "outer_exception", "owner", "profile_range", "stage")
     profile_range: torch.profiler.record_function
 
-    def __init__(self, stage: _StageRuntime, ambient: Stream | None) -> None:
+    def __init__(
+        self, owner: Scheduler, stage: _StageRuntime, module: nn.Module, ambient: Stream | None
+    ) -> None:
+        self.owner = owner
         self.stage = stage
+        self.module = module
         self.ambient = ambient
         # The exception being handled around the call, if any: the post-hook tells a
         # stage that raised from one called inside an ``except`` block by comparing.
         self.outer_exception = sys.exc_info()[1]
 
 
+class _Call:
+    """One call of a wrapped model's root in flight on this thread."""
+
+    __slots__ = ("module", "owner", "used")
+
+    def __init__(self, owner: Scheduler, module: nn.Module) -> None:
+        self.owner = owner
+        self.module = module
+        self.used: set[int] = set()  # stream indexes of the stages it ran
+
+
 class _ThreadState(threading.local):
+    """What is in flight on one thread, for every wrapped model at once.
+
+    Shared by all schedulers, so that the hooks of two wrapped models on one module (a
+    stage module shared by both) can tell whose call it is: a stage hook acts only for the
+    innermost root call in flight, or, outside any root call (e.g. a checkpoint
+    recomputing a stage in backward), only if no other model already forked this call.
+    """
+
     def __init__(self) -> None:
         self.frames: list[_Frame] = []  # stage calls in flight, innermost last
-        self.calls: list[set[int]] = []  # per root call in flight: stream indexes used
+        self.calls: list[_Call] = []  # root calls in flight, innermost last
+
+
+_thread_state = _ThreadState()
 
 
 class Scheduler:
@@ -133,7 +161,7 @@ class Scheduler:
         self._stages = tuple(_StageRuntime(s, self._streams[s.stream]) for s in plan.stages)
         self._events = events
         self._counters = counters
-        self._local = _ThreadState()
+        self._local = _thread_state
         self.compiled_bypasses = 0  # bumped inside compiled code, where the log can't be
         self._compiled_reported = 0
 
@@ -177,13 +205,16 @@ class Scheduler:
             return
         local = self._local
         if local.frames or local.calls:
-            self._recover_interrupted_call()
-        local.calls.append(set())
+            _drop_stale_calls(module)
+        local.calls.append(_Call(self, module))
 
     def _root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or not self._local.calls:
+        if torch.compiler.is_compiling():
             return
-        used = self._local.calls.pop()
+        calls = self._local.calls
+        if not calls or calls[-1].module is not module:
+            return  # our pre-hook did not run for this call (an earlier pre-hook raised)
+        used = calls.pop().used
         if not used:
             return
         backend = self._backend
@@ -201,7 +232,14 @@ class Scheduler:
             self.compiled_bypasses += 1
             self._counters.bypasses += 1
             return
-        frames = self._local.frames
+        local = self._local
+        frames = local.frames
+        calls = local.calls
+        if calls:
+            if calls[-1].owner is not self:
+                return  # another wrapped model's call reached a module we share with it
+        elif frames and frames[-1].module is module and frames[-1].owner is not self:
+            return  # outside any forward, a model sharing this module already forked
         reason = _eager_bypass_reason()
         backend = self._backend
         ambient = None
@@ -212,7 +250,7 @@ class Scheduler:
         if reason is not None:
             self._counters.bypasses += 1
             self._bypass_event(reason)
-            frames.append(_Frame(stage, None))
+            frames.append(_Frame(self, stage, module, None))
             return
         stream = stage.stream
         # 2. Inputs: s may read them in backward; keep their blocks from ambient's reuse.
@@ -226,10 +264,9 @@ class Scheduler:
         backend.wait_event(stream, backend.record_event(ambient))
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
-        frames.append(_Frame(stage, ambient))
-        calls = self._local.calls
+        frames.append(_Frame(self, stage, module, ambient))
         if calls:
-            calls[-1].add(stage.stream_index)
+            calls[-1].used.add(stage.stream_index)
         counters = self._counters
         counters.stage_calls += 1
         counters.waits += 1
@@ -278,21 +315,44 @@ class Scheduler:
                 level=logging.INFO,
             )
 
-    def _recover_interrupted_call(self) -> None:
-        """Undo what an interrupted forward left behind on this thread.
-
-        ``always_call`` post-hooks run for an ``Exception`` but not for a bare
-        ``BaseException`` such as ``KeyboardInterrupt``, so a stage interrupted that way
-        leaves its stream current. The root cannot run inside one of its own stages, so
-        any frame still here when the root starts again is stale.
-        """
-        local = self._local
-        ambient = next((f.ambient for f in local.frames if f.ambient is not None), None)
-        if ambient is not None:
-            self._backend.set_stream(ambient)
-        local.frames.clear()
-        local.calls.clear()
+    def _bypass_event(self, reason: str, count: int = 1) -> None:
         self._events.add(
+            OOOEvent(EventKind.BYPASSED, reason, _BYPASS_MESSAGES[reason], count=count),
+            level=logging.INFO,
+        )
+
+
+def _drop_stale_calls(root: nn.Module) -> None:
+    """Undo what interrupted forwards left behind on this thread, as ``root`` starts.
+
+    ``always_call`` post-hooks run for an ``Exception`` but not for a bare
+    ``BaseException`` such as ``KeyboardInterrupt``, so a stage interrupted that way
+    leaves its stream current and its frame in flight. A call still in flight is one whose
+    module is still being called on the Python stack (the root may legitimately run inside
+    one of its own stages); only the rest are stale. Walking the stack costs tens of
+    microseconds, paid only when a root starts with something in flight.
+    """
+    executing: collections.Counter[int] = collections.Counter()
+    call_impl = nn.Module._call_impl.__code__
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is call_impl:
+            executing[id(frame.f_locals.get("self"))] += 1
+        frame = frame.f_back
+    executing[id(root)] -= 1  # the call starting now
+    local = _thread_state
+    stale_calls = _stale_suffix(local.calls, executing.copy())
+    stale_frames = _stale_suffix(local.frames, executing)
+    if not stale_calls and not stale_frames:
+        return
+    outermost = next((f for f in stale_frames if f.ambient is not None), None)
+    owners = {id(e.owner): e.owner for e in (*stale_calls, *stale_frames)}
+    del local.calls[len(local.calls) - len(stale_calls) :]
+    del local.frames[len(local.frames) - len(stale_frames) :]
+    if outermost is not None:
+        outermost.owner._backend.set_stream(outermost.ambient)
+    for owner in owners.values():
+        owner._events.add(
             OOOEvent(
                 EventKind.STAGE_FAILED,
                 "interrupted",
@@ -302,11 +362,15 @@ class Scheduler:
             level=logging.INFO,
         )
 
-    def _bypass_event(self, reason: str, count: int = 1) -> None:
-        self._events.add(
-            OOOEvent(EventKind.BYPASSED, reason, _BYPASS_MESSAGES[reason], count=count),
-            level=logging.INFO,
-        )
+
+def _stale_suffix(entries: list[Any], executing: collections.Counter[int]) -> list[Any]:
+    """The entries, from the first whose module is not (or no longer) being called."""
+    for position, entry in enumerate(entries):
+        key = id(entry.module)
+        if executing[key] <= 0:
+            return entries[position:]
+        executing[key] -= 1
+    return []
 
 
 def _record_stream(

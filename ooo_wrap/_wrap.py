@@ -248,6 +248,7 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
             f"this {type(model).__name__} is already wrapped; call model.unwrap() first "
             "to wrap it again with other options"
         )
+    _refuse_nested(model)
     if isinstance(model, DistributedDataParallel):
         # Wrapping inside DDP keeps stage names, ooo_stage_names and the plan the model's
         # own (no "module." prefix) and is the order tested on every DDP mode; one order
@@ -270,6 +271,25 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
     if reason is not None:
         return record_fallback(model, reason)
     return _install(model, the_plan, options, backend)
+
+
+def _refuse_nested(model: nn.Module) -> None:
+    """One wrapped model may not contain another: both would fork the same calls."""
+    for name, sub in model.named_modules(remove_duplicate=False):
+        if sub is not model and sub in _wrapped:
+            raise OOOConfigError(
+                f"sub-module '{name}' of this {type(model).__name__} is already wrapped; "
+                "wrap only one of them: ooo_wrap.unwrap() the inner one first, or keep it "
+                "and name its parts as stages there"
+            )
+    for other in list(_wrapped):
+        for name, sub in other.named_modules(remove_duplicate=False):
+            if sub is model:
+                raise OOOConfigError(
+                    f"this {type(model).__name__} is sub-module '{name}' of a wrapped "
+                    f"{type(other).__name__}; wrap only one of them (name '{name}' or its "
+                    "parts as stages of the outer model instead)"
+                )
 
 
 def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Backend) -> nn.Module:
