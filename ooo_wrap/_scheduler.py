@@ -55,6 +55,8 @@ _BYPASS_MESSAGES = {
     "(this scheduler does not switch streams inside a capture)",
     "tracing": "running under torch.jit.trace: stages run inline",
     "disabled": "inside ooo_wrap.disabled(): stages run inline on the caller's stream",
+    "no_grad": "gradients are off (torch.no_grad or torch.inference_mode): there is no "
+    "backward to overlap, so stages run inline on the caller's stream",
 }
 
 
@@ -119,12 +121,16 @@ class _Frame:
 class _Call:
     """One call of a wrapped model's root in flight on this thread."""
 
-    __slots__ = ("module", "owner", "used")
+    __slots__ = ("module", "no_grad", "owner", "used")
 
     def __init__(self, owner: Scheduler, module: nn.Module) -> None:
         self.owner = owner
         self.module = module
         self.used: set[int] = set()  # stream indexes of the stages it ran
+        # Decided for the whole call, at the root: no_grad and inference_mode leave no
+        # backward to overlap. A stage's own no_grad inside a training forward (reentrant
+        # checkpoint runs its first forward so) still forks, as its recomputation will.
+        self.no_grad = not torch.is_grad_enabled()
 
 
 class _ThreadState(threading.local):
@@ -240,7 +246,7 @@ class Scheduler:
                 return  # another wrapped model's call reached a module we share with it
         elif frames and frames[-1].module is module and frames[-1].owner is not self:
             return  # outside any forward, a model sharing this module already forked
-        reason = _eager_bypass_reason()
+        reason = "no_grad" if calls and calls[-1].no_grad else _eager_bypass_reason()
         backend = self._backend
         ambient = None
         if reason is None:

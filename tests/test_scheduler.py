@@ -358,6 +358,27 @@ def test_disabled_nests_and_is_per_thread() -> None:
     assert other_thread_stats[0].stage_calls == 2
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_inference_runs_stages_inline_with_one_counted_event(mode: type) -> None:
+    # No backward to overlap, and forward is joined stage by stage: side streams would
+    # only add stream calls.
+    backend = SimulatedBackend(keep_all=True)
+    model = make_two_towers()
+    plain = copy.deepcopy(model)
+    wrap(model, backend)
+    backend.clear_log()
+    x = two_tower_input()
+    with mode():
+        for _ in range(3):
+            assert torch.equal(model(x), plain(x))
+    assert not any(c.op in ("set_stream", "wait_event", "record_stream") for c in backend.log)
+    (bypassed,) = events_of(model, EventKind.BYPASSED)
+    assert (bypassed.reason, bypassed.count) == ("no_grad", 6)
+    assert model.stats == OOOStats(forwards=3, bypasses=6)
+    model(x).sum().backward()  # gradients on again: side streams again
+    assert model.stats.stage_calls == 2
+
+
 def test_graph_capture_runs_stages_inline() -> None:
     backend = SimulatedBackend(keep_all=True)
     model = make_two_towers()
@@ -512,12 +533,12 @@ def test_ten_thousand_forwards_keep_every_structure_at_a_fixed_size() -> None:
             "hooks": hook_count(model),
         }
 
-    with torch.no_grad():
-        for _ in range(1_000):
-            model(x)
-        first = sizes()
-        for _ in range(9_000):
-            model(x)
+    # Gradients on (each output dropped at once): under no_grad stages would run inline.
+    for _ in range(1_000):
+        model(x)
+    first = sizes()
+    for _ in range(9_000):
+        model(x)
     assert sizes() == first
     assert first["backend_log"] == 10_000
     assert first["frames"] == 0 and first["calls"] == 0
