@@ -36,13 +36,13 @@ class ProfiledScheduler(Scheduler):
     def _stage_pre_hook(
         self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
     ) -> None:
+        if torch.compiler.is_compiling():
+            return  # the plain hook does nothing there: no frame, no range in a graph
         frames = self._local.frames
         depth = len(frames)
         super()._stage_pre_hook(stage, module, args, kwargs)
         if len(frames) == depth:
-            # No frame pushed: under torch.compile (the plain hook only counted a bypass)
-            # or another wrapped model's call of a shared module. No range then.
-            return
+            return  # another wrapped model's call of a module shared with it: no range
         profile_range = torch.profiler.record_function(range_name(stage.name))
         profile_range.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
         frames[-1].profile_range = profile_range  # the frame just pushed

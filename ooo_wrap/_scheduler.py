@@ -49,8 +49,10 @@ from ._tensors import tensors_in
 __all__ = ["Scheduler", "disabled"]
 
 _BYPASS_MESSAGES = {
-    "compiling": "running under torch.compile: stages run inline on the caller's stream "
-    "(the compiled path wins)",
+    "compiling": "ran under torch.compile: stages run inline on the caller's stream (the "
+    "compiled path wins). Compiled calls are not counted (a count kept inside compiled code "
+    "would make it recompile every call), so this event is recorded once and stats leave "
+    "them out",
     "graph_capture": "the current stream is capturing a graph: stages run inline "
     "(this scheduler does not switch streams inside a capture)",
     "tracing": "running under torch.jit.trace: stages run inline",
@@ -168,8 +170,10 @@ class Scheduler:
         self._events = events
         self._counters = counters
         self._local = _thread_state
-        self.compiled_bypasses = 0  # bumped inside compiled code, where the log can't be
-        self._compiled_reported = 0
+        # Set inside compiled code, where the log can't be written. A constant store: a
+        # counter read and bumped there would be guarded on, and recompile every call.
+        self.ran_compiled = False
+        self._compiled_reported = False
 
     def install(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
         """Register the hooks, appending each handle to ``handles`` as soon as it exists."""
@@ -198,17 +202,19 @@ class Scheduler:
 
     def sync_compiled_events(self) -> None:
         """Move bypass counts taken inside compiled code into the event log."""
-        new = self.compiled_bypasses - self._compiled_reported
-        if new > 0:
-            self._compiled_reported += new
-            self._bypass_event("compiling", count=new)
+        if self.ran_compiled and not self._compiled_reported:
+            self._compiled_reported = True
+            self._bypass_event("compiling")
 
     # --- hooks ----------------------------------------------------------------------
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        self._counters.forwards += 1
         if torch.compiler.is_compiling():
+            # Nothing read here, one constant written: Dynamo replays the write after each
+            # call and has nothing to guard on, so the model compiles once.
+            self.ran_compiled = True
             return
+        self._counters.forwards += 1
         local = self._local
         if local.frames or local.calls:
             _drop_stale_calls(module)
@@ -234,10 +240,7 @@ class Scheduler:
         self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
     ) -> None:
         if torch.compiler.is_compiling():
-            # Only plain attribute writes here: they replay inside the compiled graph.
-            self.compiled_bypasses += 1
-            self._counters.bypasses += 1
-            return
+            return  # inline in the compiled graph; the root pre-hook noted it
         local = self._local
         frames = local.frames
         calls = local.calls
