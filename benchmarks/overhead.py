@@ -5,12 +5,14 @@ run plain and wrapped (with :class:`NullBackend`, whose stream calls do nothing)
 interleaved in one process after a warm-up; the median over repeats of
 ``(wrapped - plain) / 24`` is the Python cost the hooks add to one stage call (the root
 hooks' cost included, spread over the stages). Device stream calls come on top of this on
-a GPU and are not measured here.
+a GPU and are not measured here; instead :class:`CountingBackend` counts them: backend
+calls per stage call, by method, and how many of its event records create a new event.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import statistics
 import time
@@ -21,6 +23,9 @@ from torch import nn
 import ooo_wrap
 
 NUM_STAGES = 24
+
+
+_AMBIENT = object()
 
 
 class NullBackend:
@@ -35,13 +40,13 @@ class NullBackend:
         return object()
 
     def current_stream(self, device: torch.device) -> object:
-        return None
+        return _AMBIENT  # a stream object, never None: None marks a bypassed stage call
 
     def set_stream(self, stream: object) -> None:
         pass
 
-    def record_event(self, stream: object) -> object:
-        return None
+    def record_event(self, stream: object, event: object = None) -> object:
+        return event if event is not None else object()
 
     def wait_event(self, stream: object, event: object) -> None:
         pass
@@ -50,6 +55,39 @@ class NullBackend:
         pass
 
     def is_capturing(self, stream: object) -> bool:
+        return False
+
+
+class CountingBackend(NullBackend):
+    """:class:`NullBackend` that counts its calls by method (``new_event``: records that
+    were not given an event to re-use, i.e. created one)."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def current_stream(self, device: torch.device) -> object:
+        self.calls["current_stream"] += 1
+        return _AMBIENT
+
+    def set_stream(self, stream: object) -> None:
+        self.calls["set_stream"] += 1
+
+    def record_event(self, stream: object, event: object = None) -> object:
+        self.calls["record_event"] += 1
+        if event is None:
+            self.calls["new_event"] += 1
+        return super().record_event(stream, event)
+
+    def wait_event(self, stream: object, event: object) -> None:
+        self.calls["wait_event"] += 1
+
+    def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
+        self.calls["record_stream"] += 1
+
+    def is_capturing(self, stream: object) -> bool:
+        self.calls["is_capturing"] += 1
         return False
 
 
@@ -105,6 +143,22 @@ def measure(
     }
 
 
+def count_backend_calls(forwards: int = 100) -> dict[str, float]:
+    """Backend calls per stage call, by method, in steady state (after one forward)."""
+    backend = CountingBackend()
+    wrapped = ooo_wrap.OOOModule(Chain(), backend=backend)
+    x = torch.ones(1)
+    wrapped(x)  # first use makes the events that later calls re-use
+    backend.calls.clear()
+    for _ in range(forwards):
+        wrapped(x)
+    stage_calls = forwards * NUM_STAGES
+    per_call = {name: count / stage_calls for name, count in sorted(backend.calls.items())}
+    per_call["total"] = sum(v for k, v in backend.calls.items() if k != "new_event") / stage_calls
+    per_call.setdefault("new_event", 0.0)
+    return per_call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -118,6 +172,10 @@ def main() -> None:
     print(f"plain forward:   {result['plain_us_per_forward']:8.1f} µs")
     print(f"wrapped forward: {result['wrapped_us_per_forward']:8.1f} µs")
     print(f"added per stage call: {result['added_us_per_stage_call']:.2f} µs (target <= 10 µs)")
+    calls = count_backend_calls()
+    detail = ", ".join(f"{k} {v:.2f}" for k, v in calls.items() if k not in ("total", "new_event"))
+    print(f"backend calls per stage call: {calls['total']:.2f} ({detail})")
+    print(f"events created per stage call (steady state): {calls['new_event']:.2f}")
 
 
 if __name__ == "__main__":

@@ -105,16 +105,30 @@ class _Frame:
 
     # ``profile_range`` is set and read only by ProfiledScheduler's hooks, so plain frames
     # never pay for it.
-    __slots__ = ("ambient", "module", "outer_exception", "owner", "profile_range", "stage")
+    __slots__ = (
+        "ambient",
+        "events",
+        "module",
+        "outer_exception",
+        "owner",
+        "profile_range",
+        "stage",
+    )
     profile_range: torch.profiler.record_function
 
     def __init__(
-        self, owner: Scheduler, stage: _StageRuntime, module: nn.Module, ambient: Stream | None
+        self,
+        owner: Scheduler,
+        stage: _StageRuntime,
+        module: nn.Module,
+        ambient: Stream | None,
+        events: list[Any],
     ) -> None:
         self.owner = owner
         self.stage = stage
         self.module = module
         self.ambient = ambient
+        self.events = events  # the stage's [fork, join] events on this thread
         # The exception being handled around the call, if any: the post-hook tells a
         # stage that raised from one called inside an ``except`` block by comparing.
         self.outer_exception = sys.exc_info()[1]
@@ -147,9 +161,22 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.frames: list[_Frame] = []  # stage calls in flight, innermost last
         self.calls: list[_Call] = []  # root calls in flight, innermost last
+        # Each stage's [fork, join] events, made on first use and re-recorded on every call
+        # after (creating an event costs a driver call). Per thread: each record is
+        # followed at once by its wait, so within a thread a re-record never moves a
+        # pending wait (a queued wait keeps the state it saw), but another thread's could.
+        self.events: dict[_StageRuntime, list[Any]] = {}
 
 
 _thread_state = _ThreadState()
+_NO_EVENTS: list[Any] = []
+
+
+class _RootEvents(threading.local):
+    """Per thread, one reused event per side stream for the root's final joins."""
+
+    def __init__(self, streams: int) -> None:
+        self.events: list[Any] = [None] * streams
 
 
 class Scheduler:
@@ -170,6 +197,7 @@ class Scheduler:
         self._events = events
         self._counters = counters
         self._local = _thread_state
+        self._root_events = _RootEvents(len(self._streams))
         # Set inside compiled code, where the log can't be written. A constant store: a
         # counter read and bumped there would be guarded on, and recompile every call.
         self.ran_compiled = False
@@ -231,9 +259,11 @@ class Scheduler:
             return
         backend = self._backend
         current = backend.current_stream(self._device)
+        events = self._root_events.events
         for index in sorted(used):
             # 5. The caller's stream waits on all the call's stage streams.
-            backend.wait_event(current, backend.record_event(self._streams[index]))
+            events[index] = event = backend.record_event(self._streams[index], events[index])
+            backend.wait_event(current, event)
         self._counters.joins += len(used)
 
     def _stage_pre_hook(
@@ -245,11 +275,14 @@ class Scheduler:
         frames = local.frames
         calls = local.calls
         if calls:
-            if calls[-1].owner is not self:
+            call = calls[-1]
+            if call.owner is not self:
                 return  # another wrapped model's call reached a module we share with it
+            reason = "no_grad" if call.no_grad else _eager_bypass_reason()
         elif frames and frames[-1].module is module and frames[-1].owner is not self:
             return  # outside any forward, a model sharing this module already forked
-        reason = "no_grad" if calls and calls[-1].no_grad else _eager_bypass_reason()
+        else:
+            reason = _eager_bypass_reason()
         backend = self._backend
         ambient = None
         if reason is None:
@@ -259,7 +292,7 @@ class Scheduler:
         if reason is not None:
             self._counters.bypasses += 1
             self._bypass_event(reason)
-            frames.append(_Frame(self, stage, module, None))
+            frames.append(_Frame(self, stage, module, None, _NO_EVENTS))
             return
         stream = stage.stream
         # 2. Inputs: s may read them in backward; keep their blocks from ambient's reuse.
@@ -270,12 +303,16 @@ class Scheduler:
             inputs += tensors_in(kwargs)
         recorded = _record_stream(backend, inputs, stage.device, stream)
         # 1. s waits on everything queued on ambient so far.
-        backend.wait_event(stream, backend.record_event(ambient))
+        events = local.events.get(stage)
+        if events is None:
+            events = local.events[stage] = [None, None]
+        events[0] = fork = backend.record_event(ambient, events[0])
+        backend.wait_event(stream, fork)
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
-        frames.append(_Frame(self, stage, module, ambient))
+        frames.append(_Frame(self, stage, module, ambient, events))
         if calls:
-            calls[-1].used.add(stage.stream_index)
+            call.used.add(stage.stream_index)
         counters = self._counters
         counters.stage_calls += 1
         counters.waits += 1
@@ -299,7 +336,8 @@ class Scheduler:
                 # 4. Outputs are read on ambient from now on; e then marks all the stage's
                 # work, record_stream included (see step 2 for why that order).
                 recorded = _record_stream(backend, tensors_in(output), stage.device, ambient)
-                event = backend.record_event(stream)
+                events = frame.events
+                events[1] = event = backend.record_event(stream, events[1])
             finally:
                 backend.set_stream(ambient)
             backend.wait_event(ambient, event)

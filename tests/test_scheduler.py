@@ -585,3 +585,34 @@ def test_keep_all_log_keeps_everything_and_bounded_log_keeps_the_latest() -> Non
     assert len(everything.log) == 2 + 3 * 23
     assert isinstance(recent.log, tuple)
     assert recent.log == everything.log[-5:]  # the same run: the latest 5 calls, newest last
+
+
+class _EventCounting(SimulatedBackend):
+    """Counts the events it is asked to create (``record_event`` without one to re-use)."""
+
+    created = 0
+
+    def record_event(
+        self, stream: VirtualStream, event: VirtualEvent | None = None
+    ) -> VirtualEvent:
+        if event is None:
+            self.created += 1
+            return super().record_event(stream)
+        return super().record_event(stream, event)
+
+
+def test_events_are_made_once_per_stage_and_thread_then_reused() -> None:
+    backend = _EventCounting()
+    model = make_two_towers()
+    wrap(model, backend)
+    x = two_tower_input()
+    model(x).sum().backward()
+    first = backend.created  # a fork and a join per stage, a final join per stream
+    assert first == 2 * 2 + 2
+    for _ in range(5):
+        model(x).sum().backward()
+    assert backend.created == first
+    worker = threading.Thread(target=lambda: model(x))  # another thread: its own events
+    worker.start()
+    worker.join()
+    assert backend.created == 2 * first
