@@ -20,6 +20,7 @@ class EventKind(enum.Enum):
     SETUP_FAILED = "setup_failed"
     BYPASSED = "bypassed"
     STAGE_FAILED = "stage_failed"
+    UNTRACKED = "untracked"
     UNWRAPPED = "unwrapped"
 
     def __str__(self) -> str:

@@ -166,6 +166,7 @@ class _ThreadState(threading.local):
         # followed at once by its wait, so within a thread a re-record never moves a
         # pending wait (a queued wait keeps the state it saw), but another thread's could.
         self.events: dict[_StageRuntime, list[Any]] = {}
+        self.unseen: list[str] = []  # type names tensors_in could not see into
 
 
 _thread_state = _ThreadState()
@@ -198,6 +199,7 @@ class Scheduler:
         self._counters = counters
         self._local = _thread_state
         self._root_events = _RootEvents(len(self._streams))
+        self._unseen_reported: set[tuple[str, str]] = set()
         # Set inside compiled code, where the log can't be written. A constant store: a
         # counter read and bumped there would be guarded on, and recompile every call.
         self.ran_compiled = False
@@ -298,9 +300,12 @@ class Scheduler:
         # 2. Inputs: s may read them in backward; keep their blocks from ambient's reuse.
         # Before the fork event: older CUDA Stream Sanitizers count record_stream as a
         # write on the current stream, which the event must then cover.
-        inputs = tensors_in(args)
+        unseen = local.unseen
+        inputs = tensors_in(args, unseen)
         if kwargs:
-            inputs += tensors_in(kwargs)
+            inputs += tensors_in(kwargs, unseen)
+        if unseen:
+            self._report_unseen(stage, unseen)
         recorded = _record_stream(backend, inputs, stage.device, stream)
         # 1. s waits on everything queued on ambient so far.
         events = local.events.get(stage)
@@ -335,7 +340,11 @@ class Scheduler:
             try:
                 # 4. Outputs are read on ambient from now on; e then marks all the stage's
                 # work, record_stream included (see step 2 for why that order).
-                recorded = _record_stream(backend, tensors_in(output), stage.device, ambient)
+                unseen = self._local.unseen
+                outputs = tensors_in(output, unseen)
+                if unseen:
+                    self._report_unseen(stage, unseen)
+                recorded = _record_stream(backend, outputs, stage.device, ambient)
                 events = frame.events
                 events[1] = event = backend.record_event(stream, events[1])
             finally:
@@ -361,6 +370,26 @@ class Scheduler:
                 ),
                 level=logging.INFO,
             )
+
+    def _report_unseen(self, stage: _StageRuntime, unseen: list[str]) -> None:
+        """Record once per (stage, type) an input or output the hooks could not search."""
+        for name in unseen:
+            if (stage.name, name) not in self._unseen_reported:
+                self._unseen_reported.add((stage.name, name))
+                self._events.add(
+                    OOOEvent(
+                        EventKind.UNTRACKED,
+                        name,
+                        f"an input or output of this stage holds a {name} the hooks cannot "
+                        "search for tensors (no attributes, or an object inside an object): "
+                        "tensors in it get no record_stream, an allocator hazard on a GPU. "
+                        "Pass tensors in tuples, lists, dicts, dataclasses, objects' own "
+                        "attributes, or types registered with torch.utils._pytree",
+                        stage=stage.name,
+                    ),
+                    level=logging.WARNING,
+                )
+        unseen.clear()
 
     def _bypass_event(self, reason: str, count: int = 1) -> None:
         self._events.add(

@@ -35,6 +35,7 @@ def test_event_kinds_values_and_str() -> None:
         "SETUP_FAILED": "setup_failed",
         "BYPASSED": "bypassed",
         "STAGE_FAILED": "stage_failed",
+        "UNTRACKED": "untracked",
         "UNWRAPPED": "unwrapped",
     }
     for kind in EventKind:
