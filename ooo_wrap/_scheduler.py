@@ -44,7 +44,7 @@ from ._errors import OOOError
 from ._events import EventKind, EventLog, OOOEvent
 from ._plan import Plan, Stage
 from ._stats import Counters
-from ._tensors import tensors_in
+from ._tensors import storage_tensor, tensors_in
 
 __all__ = ["Scheduler", "disabled"]
 
@@ -456,7 +456,15 @@ def _record_stream(
     recorded = 0
     for tensor in tensors:
         if tensor.device == device:  # other devices' allocators never see ``stream``
-            backend.record_stream(tensor, stream)
+            try:
+                backend.record_stream(tensor, stream)
+            except RuntimeError:
+                # Under torch.func.vmap: no batching rule. Mark the memory under the
+                # wrapper instead (checked only on failure, so the common path pays nothing).
+                inner = storage_tensor(tensor)
+                if inner is None:
+                    raise
+                backend.record_stream(inner, stream)
             recorded += 1
     return recorded
 

@@ -14,7 +14,7 @@ import torch
 # (register_pytree_node). Used here only to flatten one level of a registered type.
 from torch.utils import _pytree
 
-__all__ = ["tensors_in"]
+__all__ = ["storage_tensor", "tensors_in"]
 
 _Tensor = torch.Tensor
 # Values that hold no tensor: never searched, never reported.
@@ -74,3 +74,19 @@ def _collect(
                 _collect(item, found, unseen, open_objects=False)
         elif unseen is not None:
             unseen.append(type(value).__name__)
+
+
+def storage_tensor(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor under ``tensor``'s torch.func wrappers, or ``None`` if it has none.
+
+    Inside ``vmap`` a tensor is a wrapper over the whole batch, and ``record_stream`` has
+    no batching rule; the wrapped tensor shares the wrapper's memory, so the allocator
+    mark belongs on it. torch.func has no public unwrap, hence its private helpers here.
+    """
+    from torch._C import _functorch
+
+    if not _functorch.is_functorch_wrapped_tensor(tensor):
+        return None
+    while _functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = _functorch.get_unwrapped(tensor)
+    return tensor
