@@ -54,7 +54,7 @@ class ProfiledScheduler(Scheduler):
             return  # as the plain hook: nothing was opened
         frames = self._local.frames
         profile_range = None
-        if frames and frames[-1].stage is stage:
+        if frames and (frames[-1].stage is stage or frames[-1].stage is stage.twin):
             # Unset when opening the range raised in the pre-hook: nothing to close then.
             profile_range = getattr(frames[-1], "profile_range", None)
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import inspect
 import logging
@@ -91,13 +92,17 @@ def disabled() -> Iterator[None]:
 class _StageRuntime:
     """A planned stage bound to its stream object."""
 
-    __slots__ = ("device", "name", "stream", "stream_index")
+    __slots__ = ("device", "device_type", "name", "stream", "stream_index", "twin")
 
     def __init__(self, stage: Stage, stream: Stream) -> None:
         self.name = stage.name
         self.device = stage.device
+        self.device_type = stage.device.type
         self.stream_index = stage.stream
         self.stream = stream
+        # Under autocast, this stage as run on the stream of another stage it shares a
+        # weight with (see Scheduler.install); None when it shares none.
+        self.twin: _StageRuntime | None = None
 
 
 class _Frame:
@@ -200,6 +205,7 @@ class Scheduler:
         self._local = _thread_state
         self._root_events = _RootEvents(len(self._streams))
         self._unseen_reported: set[tuple[str, str]] = set()
+        self._tied_weights = False  # some stages share a parameter; set by install()
         # Set inside compiled code, where the log can't be written. A constant store: a
         # counter read and bumped there would be guarded on, and recompile every call.
         self.ran_compiled = False
@@ -213,6 +219,7 @@ class Scheduler:
         handles.append(
             model.register_forward_hook(self._root_post_hook, with_kwargs=True, always_call=True)
         )
+        self._tied_weights = _pair_tied_stages(model, self._stages)
         for stage in self._stages:
             module = model.get_submodule(stage.name)
             pre = functools.partial(self._stage_pre_hook, stage)
@@ -296,6 +303,12 @@ class Scheduler:
             self._bypass_event(reason)
             frames.append(_Frame(self, stage, module, None, _NO_EVENTS))
             return
+        if (
+            self._tied_weights
+            and stage.twin is not None
+            and torch.is_autocast_enabled(stage.device_type)
+        ):
+            stage = stage.twin  # share the stream whose cached weight copy it will read
         stream = stage.stream
         # 2. Inputs: s may read them in backward; keep their blocks from ambient's reuse.
         # Before the fork event: older CUDA Stream Sanitizers count record_stream as a
@@ -329,9 +342,10 @@ class Scheduler:
         if torch.compiler.is_compiling():
             return
         frames = self._local.frames
-        if not frames or frames[-1].stage is not stage:
+        if not frames or (frames[-1].stage is not stage and frames[-1].stage is not stage.twin):
             return  # our pre-hook did not run for this call (an earlier pre-hook raised)
         frame = frames.pop()
+        stage = frame.stage  # its twin, if it ran on a tied stage's stream
         ambient = frame.ambient
         if ambient is not None:
             backend = self._backend
@@ -437,6 +451,36 @@ def _drop_stale_calls(root: nn.Module) -> None:
             ),
             level=logging.INFO,
         )
+
+
+def _pair_tied_stages(model: nn.Module, stages: Sequence[_StageRuntime]) -> bool:
+    """Give each stage that shares a parameter with an earlier one a twin on its stream.
+
+    Autocast caches the low-precision copy of a weight for the rest of the autocast
+    region. With a weight tied across two stages, the copy cast in one stage (allocated
+    on its stream) would be read by the other on another stream, with no
+    ``record_stream``: freed into the first stream's pool while the second may still read
+    it in backward. Under autocast such stages run on one stream (the first one's): the
+    copy is then made and read on that stream only, and the graph and its gradients are
+    exactly the plain model's. The cost: no backward overlap between those stages under
+    autocast. Returns whether any stage got a twin.
+    """
+    first_user: dict[int, _StageRuntime] = {}
+    leader: dict[_StageRuntime, _StageRuntime] = {}
+    for stage in stages:
+        leader[stage] = stage
+        for parameter in model.get_submodule(stage.name).parameters():
+            other = first_user.setdefault(id(parameter), stage)
+            if other is not stage and leader[stage] is stage:
+                leader[stage] = leader[other]
+    paired = False
+    for stage, lead in leader.items():
+        if lead is not stage and lead.stream_index != stage.stream_index:
+            twin = copy.copy(stage)
+            twin.stream, twin.stream_index, twin.twin = lead.stream, lead.stream_index, None
+            stage.twin = twin
+            paired = True
+    return paired
 
 
 def _stale_suffix(entries: list[Any], executing: collections.Counter[int]) -> list[Any]:
