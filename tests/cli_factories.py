@@ -41,12 +41,22 @@ class TokensAndFeatures(nn.Module):
         return self.embed(tokens) + self.small(tokens) + self.proj(features).unsqueeze(1)
 
 
+class _Slot:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.value = tensor
+
+
 class Box:
-    """A tensor holder that is no tuple, list, dict or dataclass: the scheduler cannot see
-    inside it, so it cannot protect the tensor's memory for the caller's stream."""
+    """A tensor held in an object inside an object: the scheduler looks only one level
+    into objects' attributes, so it cannot protect the tensor's memory for the caller's
+    stream."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.slot = _Slot(tensor)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.slot.value
 
 
 class BoxedStage(nn.Module):
