@@ -92,9 +92,10 @@ def disabled() -> Iterator[None]:
 class _StageRuntime:
     """A planned stage bound to its stream object."""
 
-    __slots__ = ("device", "device_type", "name", "stream", "stream_index", "twin")
+    __slots__ = ("device", "device_type", "name", "owner", "stream", "stream_index", "twin")
 
-    def __init__(self, stage: Stage, stream: Stream) -> None:
+    def __init__(self, owner: Scheduler, stage: Stage, stream: Stream) -> None:
+        self.owner = owner
         self.name = stage.name
         self.device = stage.device
         self.device_type = stage.device.type
@@ -115,7 +116,6 @@ class _Frame:
         "events",
         "module",
         "outer_exception",
-        "owner",
         "profile_range",
         "stage",
     )
@@ -123,13 +123,11 @@ class _Frame:
 
     def __init__(
         self,
-        owner: Scheduler,
         stage: _StageRuntime,
         module: nn.Module,
         ambient: Stream | None,
         events: list[Any],
     ) -> None:
-        self.owner = owner
         self.stage = stage
         self.module = module
         self.ambient = ambient
@@ -142,16 +140,19 @@ class _Frame:
 class _Call:
     """One call of a wrapped model's root in flight on this thread."""
 
-    __slots__ = ("module", "no_grad", "owner", "used")
+    __slots__ = ("bypass", "module", "owner", "used")
 
     def __init__(self, owner: Scheduler, module: nn.Module) -> None:
         self.owner = owner
         self.module = module
         self.used: set[int] = set()  # stream indexes of the stages it ran
-        # Decided for the whole call, at the root: no_grad and inference_mode leave no
-        # backward to overlap. A stage's own no_grad inside a training forward (reentrant
-        # checkpoint runs its first forward so) still forks, as its recomputation will.
-        self.no_grad = not torch.is_grad_enabled()
+        # Decided once for the whole call, at the root (cheaper than per stage call):
+        # disabled(), tracing, and no_grad / inference_mode, which leave no backward to
+        # overlap. A stage's own no_grad inside a training forward (reentrant checkpoint
+        # runs its first forward so) still forks, as its recomputation will.
+        self.bypass = _eager_bypass_reason()
+        if self.bypass is None and not torch.is_grad_enabled():
+            self.bypass = "no_grad"
 
 
 class _ThreadState(threading.local):
@@ -199,7 +200,7 @@ class Scheduler:
         self._backend = backend
         self._device = plan.stages[0].device
         self._streams = tuple(streams)
-        self._stages = tuple(_StageRuntime(s, self._streams[s.stream]) for s in plan.stages)
+        self._stages = tuple(_StageRuntime(self, s, self._streams[s.stream]) for s in plan.stages)
         self._events = events
         self._counters = counters
         self._local = _thread_state
@@ -287,8 +288,8 @@ class Scheduler:
             call = calls[-1]
             if call.owner is not self:
                 return  # another wrapped model's call reached a module we share with it
-            reason = "no_grad" if call.no_grad else _eager_bypass_reason()
-        elif frames and frames[-1].module is module and frames[-1].owner is not self:
+            reason = call.bypass
+        elif frames and frames[-1].module is module and frames[-1].stage.owner is not self:
             return  # outside any forward, a model sharing this module already forked
         else:
             reason = _eager_bypass_reason()
@@ -301,7 +302,7 @@ class Scheduler:
         if reason is not None:
             self._counters.bypasses += 1
             self._bypass_event(reason)
-            frames.append(_Frame(self, stage, module, None, _NO_EVENTS))
+            frames.append(_Frame(stage, module, None, _NO_EVENTS))
             return
         if (
             self._tied_weights
@@ -328,7 +329,7 @@ class Scheduler:
         backend.wait_event(stream, fork)
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
-        frames.append(_Frame(self, stage, module, ambient, events))
+        frames.append(_Frame(stage, module, ambient, events))
         if calls:
             call.used.add(stage.stream_index)
         counters = self._counters
@@ -341,7 +342,8 @@ class Scheduler:
     ) -> None:
         if torch.compiler.is_compiling():
             return
-        frames = self._local.frames
+        local = self._local
+        frames = local.frames
         if not frames or (frames[-1].stage is not stage and frames[-1].stage is not stage.twin):
             return  # our pre-hook did not run for this call (an earlier pre-hook raised)
         frame = frames.pop()
@@ -354,7 +356,7 @@ class Scheduler:
             try:
                 # 4. Outputs are read on ambient from now on; e then marks all the stage's
                 # work, record_stream included (see step 2 for why that order).
-                unseen = self._local.unseen
+                unseen = local.unseen
                 outputs = tensors_in(output, unseen)
                 if unseen:
                     self._report_unseen(stage, unseen)
@@ -436,11 +438,12 @@ def _drop_stale_calls(root: nn.Module) -> None:
     if not stale_calls and not stale_frames:
         return
     outermost = next((f for f in stale_frames if f.ambient is not None), None)
-    owners = {id(e.owner): e.owner for e in (*stale_calls, *stale_frames)}
+    owners = {id(c.owner): c.owner for c in stale_calls}
+    owners.update((id(f.stage.owner), f.stage.owner) for f in stale_frames)
     del local.calls[len(local.calls) - len(stale_calls) :]
     del local.frames[len(local.frames) - len(stale_frames) :]
     if outermost is not None:
-        outermost.owner._backend.set_stream(outermost.ambient)
+        outermost.stage.owner._backend.set_stream(outermost.ambient)
     for owner in owners.values():
         owner._events.add(
             OOOEvent(
