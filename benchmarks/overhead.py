@@ -14,8 +14,12 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import importlib.util
+import pathlib
 import statistics
+import sys
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -159,6 +163,49 @@ def count_backend_calls(forwards: int = 100) -> dict[str, float]:
     return per_call
 
 
+def _load_other(root: str) -> Any:
+    """Import the ``ooo_wrap`` package under ``root`` as ``ooo_wrap_other``."""
+    init = pathlib.Path(root) / "ooo_wrap" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "ooo_wrap_other", init, submodule_search_locations=[str(init.parent)]
+    )
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no ooo_wrap package under {root}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ooo_wrap_other"] = module  # its relative imports resolve through this
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare(other_root: str, repeats: int = 60, calls: int = 100) -> dict[str, float]:
+    """µs added per stage call by this package's hooks and by another copy's, interleaved.
+
+    ``other_root`` holds an ``ooo_wrap`` directory, e.g. an older revision extracted with
+    ``git archive <rev> ooo_wrap | tar -x -C <other_root>``.
+    """
+    other = _load_other(other_root)
+    plain = Chain()
+    models = {
+        "plain": plain,
+        "this": ooo_wrap.OOOModule(copy.deepcopy(plain), backend=NullBackend()),
+        "other": other.OOOModule(copy.deepcopy(plain), backend=NullBackend()),
+    }
+    x = torch.ones(1)
+    for model in models.values():
+        _time_forwards(model, x, calls)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeats):  # interleaved, so drift hits every side alike
+        for name, model in models.items():
+            times[name].append(_time_forwards(model, x, calls) / calls * 1e6)
+    added = {
+        name: statistics.median(
+            (t - p) / NUM_STAGES for t, p in zip(times[name], times["plain"], strict=True)
+        )
+        for name in ("this", "other")
+    }
+    return {"this_us_per_stage_call": added["this"], "other_us_per_stage_call": added["other"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -166,7 +213,19 @@ def main() -> None:
     parser.add_argument(
         "--profile-ranges", action="store_true", help="wrap with profile_ranges=True"
     )
+    parser.add_argument(
+        "--compare-with",
+        metavar="DIR",
+        help="also time the ooo_wrap package under DIR, interleaved in this process",
+    )
     args = parser.parse_args()
+    if args.compare_with:
+        both = compare(args.compare_with, args.repeats, args.calls)
+        print(
+            f"added per stage call: this {both['this_us_per_stage_call']:.2f} µs, "
+            f"{args.compare_with} {both['other_us_per_stage_call']:.2f} µs"
+        )
+        return
     result = measure(args.repeats, args.calls, profile_ranges=args.profile_ranges)
     print(f"torch {torch.__version__}, {NUM_STAGES} stages, median of {args.repeats} repeats")
     print(f"plain forward:   {result['plain_us_per_forward']:8.1f} µs")
