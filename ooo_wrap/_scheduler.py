@@ -11,10 +11,10 @@ For one stage call, with ``ambient`` the caller's current stream and ``s`` the s
    the current stream, and the event must cover it.
 3. ``s`` becomes current and the stage runs; autograd records ``s`` on its nodes, so
    the engine runs their backward on ``s`` too.
-4. Post-hook, always (even if the stage raised): an event ``e`` is recorded on ``s``;
-   each output gets ``record_stream(ambient)``, since it was allocated on ``s`` and the
-   caller reads it on ``ambient``; ``ambient`` is restored and waits on ``e``, so no
-   untracked parent op can read an unfinished stage.
+4. Post-hook, always (even if the stage raised): each output gets
+   ``record_stream(ambient)``, since it was allocated on ``s`` and the caller reads it on
+   ``ambient``; an event ``e`` is recorded on ``s``; ``ambient`` is restored and waits on
+   ``e``, so no untracked parent op can read an unfinished stage.
 5. Root post-hook: the current stream waits on every stage stream used in the call,
    before the output (and the loss) reaches the host.
 
@@ -74,8 +74,10 @@ _disabled = _Disabled()
 def disabled() -> Iterator[None]:
     """Run every wrapped model inline on the caller's stream, in this thread, for a while.
 
-    Useful for evaluation or for an A/B comparison on one model. Bypassed stage calls
-    are counted in ``stats.bypasses`` and reported once as a ``BYPASSED`` event.
+    Useful for an A/B comparison on one model (evaluation under ``torch.no_grad()`` runs
+    inline already). It applies to forwards started inside it: the choice is made once
+    per forward, when the model is called. Bypassed stage calls are counted in
+    ``stats.bypasses`` and reported once as a ``BYPASSED`` event.
 
     Example::
 
