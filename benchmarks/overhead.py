@@ -5,15 +5,21 @@ run plain and wrapped (with :class:`NullBackend`, whose stream calls do nothing)
 interleaved in one process after a warm-up; the median over repeats of
 ``(wrapped - plain) / 24`` is the Python cost the hooks add to one stage call (the root
 hooks' cost included, spread over the stages). Device stream calls come on top of this on
-a GPU and are not measured here.
+a GPU and are not measured here; instead :class:`CountingBackend` counts them: backend
+calls per stage call, by method, and how many of its event records create a new event.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
+import importlib.util
+import pathlib
 import statistics
+import sys
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +27,9 @@ from torch import nn
 import ooo_wrap
 
 NUM_STAGES = 24
+
+
+_AMBIENT = object()
 
 
 class NullBackend:
@@ -35,13 +44,13 @@ class NullBackend:
         return object()
 
     def current_stream(self, device: torch.device) -> object:
-        return None
+        return _AMBIENT  # a stream object, never None: None marks a bypassed stage call
 
     def set_stream(self, stream: object) -> None:
         pass
 
-    def record_event(self, stream: object) -> object:
-        return None
+    def record_event(self, stream: object, event: object = None) -> object:
+        return event if event is not None else object()
 
     def wait_event(self, stream: object, event: object) -> None:
         pass
@@ -50,6 +59,39 @@ class NullBackend:
         pass
 
     def is_capturing(self, stream: object) -> bool:
+        return False
+
+
+class CountingBackend(NullBackend):
+    """:class:`NullBackend` that counts its calls by method (``new_event``: records that
+    were not given an event to re-use, i.e. created one)."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def current_stream(self, device: torch.device) -> object:
+        self.calls["current_stream"] += 1
+        return _AMBIENT
+
+    def set_stream(self, stream: object) -> None:
+        self.calls["set_stream"] += 1
+
+    def record_event(self, stream: object, event: object = None) -> object:
+        self.calls["record_event"] += 1
+        if event is None:
+            self.calls["new_event"] += 1
+        return super().record_event(stream, event)
+
+    def wait_event(self, stream: object, event: object) -> None:
+        self.calls["wait_event"] += 1
+
+    def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
+        self.calls["record_stream"] += 1
+
+    def is_capturing(self, stream: object) -> bool:
+        self.calls["is_capturing"] += 1
         return False
 
 
@@ -105,6 +147,65 @@ def measure(
     }
 
 
+def count_backend_calls(forwards: int = 100) -> dict[str, float]:
+    """Backend calls per stage call, by method, in steady state (after one forward)."""
+    backend = CountingBackend()
+    wrapped = ooo_wrap.OOOModule(Chain(), backend=backend)
+    x = torch.ones(1)
+    wrapped(x)  # first use makes the events that later calls re-use
+    backend.calls.clear()
+    for _ in range(forwards):
+        wrapped(x)
+    stage_calls = forwards * NUM_STAGES
+    per_call = {name: count / stage_calls for name, count in sorted(backend.calls.items())}
+    per_call["total"] = sum(v for k, v in backend.calls.items() if k != "new_event") / stage_calls
+    per_call.setdefault("new_event", 0.0)
+    return per_call
+
+
+def _load_other(root: str) -> Any:
+    """Import the ``ooo_wrap`` package under ``root`` as ``ooo_wrap_other``."""
+    init = pathlib.Path(root) / "ooo_wrap" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "ooo_wrap_other", init, submodule_search_locations=[str(init.parent)]
+    )
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no ooo_wrap package under {root}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ooo_wrap_other"] = module  # its relative imports resolve through this
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare(other_root: str, repeats: int = 60, calls: int = 100) -> dict[str, float]:
+    """µs added per stage call by this package's hooks and by another copy's, interleaved.
+
+    ``other_root`` holds an ``ooo_wrap`` directory, e.g. an older revision extracted with
+    ``git archive <rev> ooo_wrap | tar -x -C <other_root>``.
+    """
+    other = _load_other(other_root)
+    plain = Chain()
+    models = {
+        "plain": plain,
+        "this": ooo_wrap.OOOModule(copy.deepcopy(plain), backend=NullBackend()),
+        "other": other.OOOModule(copy.deepcopy(plain), backend=NullBackend()),
+    }
+    x = torch.ones(1)
+    for model in models.values():
+        _time_forwards(model, x, calls)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeats):  # interleaved, so drift hits every side alike
+        for name, model in models.items():
+            times[name].append(_time_forwards(model, x, calls) / calls * 1e6)
+    added = {
+        name: statistics.median(
+            (t - p) / NUM_STAGES for t, p in zip(times[name], times["plain"], strict=True)
+        )
+        for name in ("this", "other")
+    }
+    return {"this_us_per_stage_call": added["this"], "other_us_per_stage_call": added["other"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -112,12 +213,28 @@ def main() -> None:
     parser.add_argument(
         "--profile-ranges", action="store_true", help="wrap with profile_ranges=True"
     )
+    parser.add_argument(
+        "--compare-with",
+        metavar="DIR",
+        help="also time the ooo_wrap package under DIR, interleaved in this process",
+    )
     args = parser.parse_args()
+    if args.compare_with:
+        both = compare(args.compare_with, args.repeats, args.calls)
+        print(
+            f"added per stage call: this {both['this_us_per_stage_call']:.2f} µs, "
+            f"{args.compare_with} {both['other_us_per_stage_call']:.2f} µs"
+        )
+        return
     result = measure(args.repeats, args.calls, profile_ranges=args.profile_ranges)
     print(f"torch {torch.__version__}, {NUM_STAGES} stages, median of {args.repeats} repeats")
     print(f"plain forward:   {result['plain_us_per_forward']:8.1f} µs")
     print(f"wrapped forward: {result['wrapped_us_per_forward']:8.1f} µs")
     print(f"added per stage call: {result['added_us_per_stage_call']:.2f} µs (target <= 10 µs)")
+    calls = count_backend_calls()
+    detail = ", ".join(f"{k} {v:.2f}" for k, v in calls.items() if k not in ("total", "new_event"))
+    print(f"backend calls per stage call: {calls['total']:.2f} ({detail})")
+    print(f"events created per stage call (steady state): {calls['new_event']:.2f}")
 
 
 if __name__ == "__main__":

@@ -41,8 +41,12 @@ class Backend(Protocol):
         """Make ``stream`` the calling thread's current stream on its device."""
         ...
 
-    def record_event(self, stream: Stream) -> Event:
-        """An event marking all work queued on ``stream`` so far."""
+    def record_event(self, stream: Stream, event: Event | None = None) -> Event:
+        """Mark all work queued on ``stream`` so far with ``event`` and return it.
+
+        ``event`` is one this backend returned before, re-recorded (a wait already queued
+        on it keeps the state it had when queued), or ``None`` for a new event.
+        """
         ...
 
     def wait_event(self, stream: Stream, event: Event) -> None:
@@ -63,6 +67,11 @@ class AcceleratorBackend:
 
     name = "accelerator"
 
+    def __init__(self) -> None:
+        # With one device there is no other current device to put back after a stream
+        # switch, so set_stream skips the device query; the count never changes in a process.
+        self._single_device: bool | None = None
+
     def unsupported_reason(self, device: torch.device) -> str | None:
         if device.type in ("cpu", "mps"):
             return device.type
@@ -80,13 +89,21 @@ class AcceleratorBackend:
     def set_stream(self, stream: Stream) -> None:
         # torch.accelerator.set_stream also switches the current device to the stream's;
         # put the caller's device back so that the only state we change is the stream.
+        if self._single_device is None:
+            self._single_device = torch.accelerator.device_count() == 1
+        if self._single_device:
+            torch.accelerator.set_stream(stream)
+            return
         device_index = torch.accelerator.current_device_index()
         torch.accelerator.set_stream(stream)
         if stream.device_index != device_index:
             torch.accelerator.set_device_index(device_index)
 
-    def record_event(self, stream: Stream) -> Event:
-        return stream.record_event()
+    def record_event(self, stream: Stream, event: Event | None = None) -> Event:
+        if event is None:
+            return stream.record_event()
+        stream.record_event(event)
+        return event
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         stream.wait_event(event)

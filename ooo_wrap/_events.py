@@ -21,6 +21,7 @@ class EventKind(enum.Enum):
     BYPASSED = "bypassed"
     STAGE_FAILED = "stage_failed"
     STAGE_NOT_CALLED = "stage_not_called"
+    UNTRACKED = "untracked"
     UNWRAPPED = "unwrapped"
 
     def __str__(self) -> str:

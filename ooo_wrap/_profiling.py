@@ -36,12 +36,16 @@ class ProfiledScheduler(Scheduler):
     def _stage_pre_hook(
         self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
     ) -> None:
-        super()._stage_pre_hook(stage, module, args, kwargs)
         if torch.compiler.is_compiling():
-            return  # the plain hook only counted a bypass: no frame, no range in a graph
+            return  # the plain hook does nothing there: no frame, no range in a graph
+        frames = self._local.frames
+        depth = len(frames)
+        super()._stage_pre_hook(stage, module, args, kwargs)
+        if len(frames) == depth:
+            return  # another wrapped model's call of a module shared with it: no range
         profile_range = torch.profiler.record_function(range_name(stage.name))
         profile_range.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
-        self._local.frames[-1].profile_range = profile_range  # the frame just pushed
+        frames[-1].profile_range = profile_range  # the frame just pushed
 
     def _stage_post_hook(
         self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
@@ -50,7 +54,7 @@ class ProfiledScheduler(Scheduler):
             return  # as the plain hook: nothing was opened
         frames = self._local.frames
         profile_range = None
-        if frames and frames[-1].stage is stage:
+        if frames and (frames[-1].stage is stage or frames[-1].stage is stage.twin):
             # Unset when opening the range raised in the pre-hook: nothing to close then.
             profile_range = getattr(frames[-1], "profile_range", None)
         try:

@@ -6,12 +6,15 @@ For one stage call, with ``ambient`` the caller's current stream and ``s`` the s
    producer of the inputs (earlier stages were already joined into ``ambient``).
 2. Each input tensor gets ``record_stream(s)``: autograd may save it and read it on ``s``
    in backward, so the allocator must not hand its block to ``ambient`` meanwhile.
+   This is done before step 1's event is recorded (and outputs' ``record_stream`` before
+   step 4's event): older CUDA Stream Sanitizers count ``record_stream`` as a write on
+   the current stream, and the event must cover it.
 3. ``s`` becomes current and the stage runs; autograd records ``s`` on its nodes, so
    the engine runs their backward on ``s`` too.
-4. Post-hook, always (even if the stage raised): an event ``e`` is recorded on ``s``;
-   each output gets ``record_stream(ambient)``, since it was allocated on ``s`` and the
-   caller reads it on ``ambient``; ``ambient`` is restored and waits on ``e``, so no
-   untracked parent op can read an unfinished stage.
+4. Post-hook, always (even if the stage raised): each output gets
+   ``record_stream(ambient)``, since it was allocated on ``s`` and the caller reads it on
+   ``ambient``; an event ``e`` is recorded on ``s``; ``ambient`` is restored and waits on
+   ``e``, so no untracked parent op can read an unfinished stage.
 5. Root post-hook: the current stream waits on every stage stream used in the call,
    before the output (and the loss) reaches the host.
 
@@ -21,8 +24,11 @@ two stage hooks, so a model wrapped without ``profile_ranges`` pays nothing for 
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -39,21 +45,22 @@ from ._errors import OOOError
 from ._events import EventKind, EventLog, OOOEvent
 from ._plan import Plan, Stage
 from ._stats import Counters
-from ._tensors import tensors_in
+from ._tensors import storage_tensor, tensors_in
 
 __all__ = ["Scheduler", "disabled"]
 
 _BYPASS_MESSAGES = {
-    "compiling": "running under torch.compile: stages run inline on the caller's stream "
-    "(the compiled path wins)",
+    "compiling": "ran under torch.compile: stages run inline on the caller's stream (the "
+    "compiled path wins). Compiled calls are not counted (a count kept inside compiled code "
+    "would make it recompile every call), so this event is recorded once and stats leave "
+    "them out",
     "graph_capture": "the current stream is capturing a graph: stages run inline "
     "(this scheduler does not switch streams inside a capture)",
     "tracing": "running under torch.jit.trace: stages run inline",
     "disabled": "inside ooo_wrap.disabled(): stages run inline on the caller's stream",
+    "no_grad": "gradients are off (torch.no_grad or torch.inference_mode): there is no "
+    "backward to overlap, so stages run inline on the caller's stream",
 }
-
-
-_BYPASSED = -1  # in a root call's set of stage indexes: some stage call ran inline
 
 
 class _Disabled(threading.local):
@@ -67,8 +74,10 @@ _disabled = _Disabled()
 def disabled() -> Iterator[None]:
     """Run every wrapped model inline on the caller's stream, in this thread, for a while.
 
-    Useful for evaluation or for an A/B comparison on one model. Bypassed stage calls
-    are counted in ``stats.bypasses`` and reported once as a ``BYPASSED`` event.
+    Useful for an A/B comparison on one model (evaluation under ``torch.no_grad()`` runs
+    inline already). It applies to forwards started inside it: the choice is made once
+    per forward, when the model is called. Bypassed stage calls are counted in
+    ``stats.bypasses`` and reported once as a ``BYPASSED`` event.
 
     Example::
 
@@ -85,14 +94,18 @@ def disabled() -> Iterator[None]:
 class _StageRuntime:
     """A planned stage bound to its stream object."""
 
-    __slots__ = ("device", "index", "name", "stream", "stream_index")
+    __slots__ = ("device", "device_type", "name", "owner", "stream", "stream_index", "twin")
 
-    def __init__(self, index: int, stage: Stage, stream: Stream) -> None:
-        self.index = index
+    def __init__(self, owner: Scheduler, stage: Stage, stream: Stream) -> None:
+        self.owner = owner
         self.name = stage.name
         self.device = stage.device
+        self.device_type = stage.device.type
         self.stream_index = stage.stream
         self.stream = stream
+        # Under autocast, this stage as run on the stream of another stage it shares a
+        # weight with (see Scheduler.install); None when it shares none.
+        self.twin: _StageRuntime | None = None
 
 
 class _Frame:
@@ -100,23 +113,81 @@ class _Frame:
 
     # ``profile_range`` is set and read only by ProfiledScheduler's hooks, so plain frames
     # never pay for it.
-    __slots__ = ("ambient", "outer_exception", "profile_range", "stage")
+    __slots__ = (
+        "ambient",
+        "events",
+        "module",
+        "outer_exception",
+        "profile_range",
+        "stage",
+    )
     profile_range: torch.profiler.record_function
 
-    def __init__(self, stage: _StageRuntime, ambient: Stream | None) -> None:
+    def __init__(
+        self,
+        stage: _StageRuntime,
+        module: nn.Module,
+        ambient: Stream | None,
+        events: list[Any],
+    ) -> None:
         self.stage = stage
+        self.module = module
         self.ambient = ambient
+        self.events = events  # the stage's [fork, join] events on this thread
         # The exception being handled around the call, if any: the post-hook tells a
         # stage that raised from one called inside an ``except`` block by comparing.
         self.outer_exception = sys.exc_info()[1]
 
 
+class _Call:
+    """One call of a wrapped model's root in flight on this thread."""
+
+    __slots__ = ("bypass", "called", "module", "owner", "ran_inline", "used")
+
+    def __init__(self, owner: Scheduler, module: nn.Module) -> None:
+        self.owner = owner
+        self.module = module
+        self.used: set[int] = set()  # stream indexes of the stages it ran
+        self.called: set[_StageRuntime] = set()  # the stages it ran on their streams
+        self.ran_inline = False  # some stage call was bypassed (ran on the caller's stream)
+        # Decided once for the whole call, at the root (cheaper than per stage call):
+        # disabled(), tracing, and no_grad / inference_mode, which leave no backward to
+        # overlap. A stage's own no_grad inside a training forward (reentrant checkpoint
+        # runs its first forward so) still forks, as its recomputation will.
+        self.bypass = _eager_bypass_reason()
+        if self.bypass is None and not torch.is_grad_enabled():
+            self.bypass = "no_grad"
+
+
 class _ThreadState(threading.local):
+    """What is in flight on one thread, for every wrapped model at once.
+
+    Shared by all schedulers, so that the hooks of two wrapped models on one module (a
+    stage module shared by both) can tell whose call it is: a stage hook acts only for the
+    innermost root call in flight, or, outside any root call (e.g. a checkpoint
+    recomputing a stage in backward), only if no other model already forked this call.
+    """
+
     def __init__(self) -> None:
         self.frames: list[_Frame] = []  # stage calls in flight, innermost last
-        # Per root call in flight: indexes of the stages run on their streams, plus
-        # _BYPASSED if a stage call ran inline.
-        self.calls: list[set[int]] = []
+        self.calls: list[_Call] = []  # root calls in flight, innermost last
+        # Each stage's [fork, join] events, made on first use and re-recorded on every call
+        # after (creating an event costs a driver call). Per thread: each record is
+        # followed at once by its wait, so within a thread a re-record never moves a
+        # pending wait (a queued wait keeps the state it saw), but another thread's could.
+        self.events: dict[_StageRuntime, list[Any]] = {}
+        self.unseen: list[str] = []  # type names tensors_in could not see into
+
+
+_thread_state = _ThreadState()
+_NO_EVENTS: list[Any] = []
+
+
+class _RootEvents(threading.local):
+    """Per thread, one reused event per side stream for the root's final joins."""
+
+    def __init__(self, streams: int) -> None:
+        self.events: list[Any] = [None] * streams
 
 
 class Scheduler:
@@ -133,15 +204,18 @@ class Scheduler:
         self._backend = backend
         self._device = plan.stages[0].device
         self._streams = tuple(streams)
-        self._stages = tuple(
-            _StageRuntime(i, s, self._streams[s.stream]) for i, s in enumerate(plan.stages)
-        )
-        self._not_called_reported: set[int] = set()
+        self._stages = tuple(_StageRuntime(self, s, self._streams[s.stream]) for s in plan.stages)
         self._events = events
         self._counters = counters
-        self._local = _ThreadState()
-        self.compiled_bypasses = 0  # bumped inside compiled code, where the log can't be
-        self._compiled_reported = 0
+        self._local = _thread_state
+        self._root_events = _RootEvents(len(self._streams))
+        self._unseen_reported: set[tuple[str, str]] = set()
+        self._not_called_reported: set[str] = set()
+        self._tied_weights = False  # some stages share a parameter; set by install()
+        # Set inside compiled code, where the log can't be written. A constant store: a
+        # counter read and bumped there would be guarded on, and recompile every call.
+        self.ran_compiled = False
+        self._compiled_reported = False
 
     def install(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
         """Register the hooks, appending each handle to ``handles`` as soon as it exists."""
@@ -151,6 +225,7 @@ class Scheduler:
         handles.append(
             model.register_forward_hook(self._root_post_hook, with_kwargs=True, always_call=True)
         )
+        self._tied_weights = _pair_tied_stages(model, self._stages)
         for stage in self._stages:
             module = model.get_submodule(stage.name)
             pre = functools.partial(self._stage_pre_hook, stage)
@@ -170,51 +245,58 @@ class Scheduler:
 
     def sync_compiled_events(self) -> None:
         """Move bypass counts taken inside compiled code into the event log."""
-        new = self.compiled_bypasses - self._compiled_reported
-        if new > 0:
-            self._compiled_reported += new
-            self._bypass_event("compiling", count=new)
+        if self.ran_compiled and not self._compiled_reported:
+            self._compiled_reported = True
+            self._bypass_event("compiling")
 
     # --- hooks ----------------------------------------------------------------------
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        self._counters.forwards += 1
         if torch.compiler.is_compiling():
+            # Nothing read here, one constant written: Dynamo replays the write after each
+            # call and has nothing to guard on, so the model compiles once.
+            self.ran_compiled = True
             return
+        self._counters.forwards += 1
         local = self._local
         if local.frames or local.calls:
-            self._recover_interrupted_call()
-        local.calls.append(set())
+            _drop_stale_calls(module)
+        local.calls.append(_Call(self, module))
 
     def _root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or not self._local.calls:
+        if torch.compiler.is_compiling():
             return
-        called = self._local.calls.pop()
+        calls = self._local.calls
+        if not calls or calls[-1].module is not module:
+            return  # our pre-hook did not run for this call (an earlier pre-hook raised)
+        call = calls.pop()
         # Only after a forward that returned (and ran no stage inline) is a missing stage news.
         if (
-            len(called) < len(self._stages)
-            and _BYPASSED not in called
+            len(call.called) < len(self._stages)
+            and not call.ran_inline
             and sys.exc_info()[1] is None
         ):
-            self._report_not_called(called)
-        used = {self._stages[i].stream_index for i in called if i != _BYPASSED}
+            self._report_not_called(call.called)
+        used = call.used
         if not used:
             return
         backend = self._backend
         current = backend.current_stream(self._device)
+        events = self._root_events.events
         for index in sorted(used):
             # 5. The caller's stream waits on all the call's stage streams.
-            backend.wait_event(current, backend.record_event(self._streams[index]))
+            events[index] = event = backend.record_event(self._streams[index], events[index])
+            backend.wait_event(current, event)
         self._counters.joins += len(used)
 
-    def _report_not_called(self, called: set[int]) -> None:
+    def _report_not_called(self, called: set[_StageRuntime]) -> None:
         """Say once per stage that a forward finished without calling it: its hooks never
         ran, so it never ran on its stream (a grouping module forward does not call, or
         a branch this forward did not take)."""
         for stage in self._stages:
-            if stage.index in called or stage.index in self._not_called_reported:
+            if stage in called or stage.name in self._not_called_reported:
                 continue
-            self._not_called_reported.add(stage.index)
+            self._not_called_reported.add(stage.name)
             self._events.add(
                 OOOEvent(
                     EventKind.STAGE_NOT_CALLED,
@@ -232,12 +314,19 @@ class Scheduler:
         self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
     ) -> None:
         if torch.compiler.is_compiling():
-            # Only plain attribute writes here: they replay inside the compiled graph.
-            self.compiled_bypasses += 1
-            self._counters.bypasses += 1
-            return
-        frames = self._local.frames
-        reason = _eager_bypass_reason()
+            return  # inline in the compiled graph; the root pre-hook noted it
+        local = self._local
+        frames = local.frames
+        calls = local.calls
+        if calls:
+            call = calls[-1]
+            if call.owner is not self:
+                return  # another wrapped model's call reached a module we share with it
+            reason = call.bypass
+        elif frames and frames[-1].module is module and frames[-1].stage.owner is not self:
+            return  # outside any forward, a model sharing this module already forked
+        else:
+            reason = _eager_bypass_reason()
         backend = self._backend
         ambient = None
         if reason is None:
@@ -247,24 +336,40 @@ class Scheduler:
         if reason is not None:
             self._counters.bypasses += 1
             self._bypass_event(reason)
-            frames.append(_Frame(stage, None))
-            if self._local.calls:
-                self._local.calls[-1].add(_BYPASSED)
+            frames.append(_Frame(stage, module, None, _NO_EVENTS))
+            if calls:
+                call.ran_inline = True
             return
+        if calls:
+            call.called.add(stage)
+        if (
+            self._tied_weights
+            and stage.twin is not None
+            and torch.is_autocast_enabled(stage.device_type)
+        ):
+            stage = stage.twin  # share the stream whose cached weight copy it will read
         stream = stage.stream
-        # 1. s waits on everything queued on ambient so far.
-        backend.wait_event(stream, backend.record_event(ambient))
         # 2. Inputs: s may read them in backward; keep their blocks from ambient's reuse.
-        inputs = tensors_in(args)
+        # Before the fork event: older CUDA Stream Sanitizers count record_stream as a
+        # write on the current stream, which the event must then cover.
+        unseen = local.unseen
+        inputs = tensors_in(args, unseen)
         if kwargs:
-            inputs += tensors_in(kwargs)
+            inputs += tensors_in(kwargs, unseen)
+        if unseen:
+            self._report_unseen(stage, unseen)
         recorded = _record_stream(backend, inputs, stage.device, stream)
+        # 1. s waits on everything queued on ambient so far.
+        events = local.events.get(stage)
+        if events is None:
+            events = local.events[stage] = [None, None]
+        events[0] = fork = backend.record_event(ambient, events[0])
+        backend.wait_event(stream, fork)
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
-        frames.append(_Frame(stage, ambient))
-        calls = self._local.calls
+        frames.append(_Frame(stage, module, ambient, events))
         if calls:
-            calls[-1].add(stage.index)
+            call.used.add(stage.stream_index)
         counters = self._counters
         counters.stage_calls += 1
         counters.waits += 1
@@ -275,19 +380,27 @@ class Scheduler:
     ) -> None:
         if torch.compiler.is_compiling():
             return
-        frames = self._local.frames
-        if not frames or frames[-1].stage is not stage:
+        local = self._local
+        frames = local.frames
+        if not frames or (frames[-1].stage is not stage and frames[-1].stage is not stage.twin):
             return  # our pre-hook did not run for this call (an earlier pre-hook raised)
         frame = frames.pop()
+        stage = frame.stage  # its twin, if it ran on a tied stage's stream
         ambient = frame.ambient
         if ambient is not None:
             backend = self._backend
             stream = stage.stream
             recorded = 0
             try:
-                # 4. e marks all the stage's work; outputs are read on ambient from now on.
-                event = backend.record_event(stream)
-                recorded = _record_stream(backend, tensors_in(output), stage.device, ambient)
+                # 4. Outputs are read on ambient from now on; e then marks all the stage's
+                # work, record_stream included (see step 2 for why that order).
+                unseen = local.unseen
+                outputs = tensors_in(output, unseen)
+                if unseen:
+                    self._report_unseen(stage, unseen)
+                recorded = _record_stream(backend, outputs, stage.device, ambient)
+                events = frame.events
+                events[1] = event = backend.record_event(stream, events[1])
             finally:
                 backend.set_stream(ambient)
             backend.wait_event(ambient, event)
@@ -312,21 +425,65 @@ class Scheduler:
                 level=logging.INFO,
             )
 
-    def _recover_interrupted_call(self) -> None:
-        """Undo what an interrupted forward left behind on this thread.
+    def _report_unseen(self, stage: _StageRuntime, unseen: list[str]) -> None:
+        """Record once per (stage, type) an input or output the hooks could not search."""
+        for name in unseen:
+            if (stage.name, name) not in self._unseen_reported:
+                self._unseen_reported.add((stage.name, name))
+                self._events.add(
+                    OOOEvent(
+                        EventKind.UNTRACKED,
+                        name,
+                        f"an input or output of this stage holds a {name} the hooks cannot "
+                        "search for tensors (no attributes, or an object inside an object): "
+                        "tensors in it get no record_stream, an allocator hazard on a GPU. "
+                        "Pass tensors in tuples, lists, dicts, dataclasses, objects' own "
+                        "attributes, or types registered with torch.utils._pytree",
+                        stage=stage.name,
+                    ),
+                    level=logging.WARNING,
+                )
+        unseen.clear()
 
-        ``always_call`` post-hooks run for an ``Exception`` but not for a bare
-        ``BaseException`` such as ``KeyboardInterrupt``, so a stage interrupted that way
-        leaves its stream current. The root cannot run inside one of its own stages, so
-        any frame still here when the root starts again is stale.
-        """
-        local = self._local
-        ambient = next((f.ambient for f in local.frames if f.ambient is not None), None)
-        if ambient is not None:
-            self._backend.set_stream(ambient)
-        local.frames.clear()
-        local.calls.clear()
+    def _bypass_event(self, reason: str, count: int = 1) -> None:
         self._events.add(
+            OOOEvent(EventKind.BYPASSED, reason, _BYPASS_MESSAGES[reason], count=count),
+            level=logging.INFO,
+        )
+
+
+def _drop_stale_calls(root: nn.Module) -> None:
+    """Undo what interrupted forwards left behind on this thread, as ``root`` starts.
+
+    ``always_call`` post-hooks run for an ``Exception`` but not for a bare
+    ``BaseException`` such as ``KeyboardInterrupt``, so a stage interrupted that way
+    leaves its stream current and its frame in flight. A call still in flight is one whose
+    module is still being called on the Python stack (the root may legitimately run inside
+    one of its own stages); only the rest are stale. Walking the stack costs tens of
+    microseconds, paid only when a root starts with something in flight.
+    """
+    executing: collections.Counter[int] = collections.Counter()
+    call_impl = nn.Module._call_impl.__code__
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is call_impl:
+            executing[id(frame.f_locals.get("self"))] += 1
+        frame = frame.f_back
+    executing[id(root)] -= 1  # the call starting now
+    local = _thread_state
+    stale_calls = _stale_suffix(local.calls, executing.copy())
+    stale_frames = _stale_suffix(local.frames, executing)
+    if not stale_calls and not stale_frames:
+        return
+    outermost = next((f for f in stale_frames if f.ambient is not None), None)
+    owners = {id(c.owner): c.owner for c in stale_calls}
+    owners.update((id(f.stage.owner), f.stage.owner) for f in stale_frames)
+    del local.calls[len(local.calls) - len(stale_calls) :]
+    del local.frames[len(local.frames) - len(stale_frames) :]
+    if outermost is not None:
+        outermost.stage.owner._backend.set_stream(outermost.ambient)
+    for owner in owners.values():
+        owner._events.add(
             OOOEvent(
                 EventKind.STAGE_FAILED,
                 "interrupted",
@@ -336,11 +493,45 @@ class Scheduler:
             level=logging.INFO,
         )
 
-    def _bypass_event(self, reason: str, count: int = 1) -> None:
-        self._events.add(
-            OOOEvent(EventKind.BYPASSED, reason, _BYPASS_MESSAGES[reason], count=count),
-            level=logging.INFO,
-        )
+
+def _pair_tied_stages(model: nn.Module, stages: Sequence[_StageRuntime]) -> bool:
+    """Give each stage that shares a parameter with an earlier one a twin on its stream.
+
+    Autocast caches the low-precision copy of a weight for the rest of the autocast
+    region. With a weight tied across two stages, the copy cast in one stage (allocated
+    on its stream) would be read by the other on another stream, with no
+    ``record_stream``: freed into the first stream's pool while the second may still read
+    it in backward. Under autocast such stages run on one stream (the first one's): the
+    copy is then made and read on that stream only, and the graph and its gradients are
+    exactly the plain model's. The cost: no backward overlap between those stages under
+    autocast. Returns whether any stage got a twin.
+    """
+    first_user: dict[int, _StageRuntime] = {}
+    leader: dict[_StageRuntime, _StageRuntime] = {}
+    for stage in stages:
+        leader[stage] = stage
+        for parameter in model.get_submodule(stage.name).parameters():
+            other = first_user.setdefault(id(parameter), stage)
+            if other is not stage and leader[stage] is stage:
+                leader[stage] = leader[other]
+    paired = False
+    for stage, lead in leader.items():
+        if lead is not stage and lead.stream_index != stage.stream_index:
+            twin = copy.copy(stage)
+            twin.stream, twin.stream_index, twin.twin = lead.stream, lead.stream_index, None
+            stage.twin = twin
+            paired = True
+    return paired
+
+
+def _stale_suffix(entries: list[Any], executing: collections.Counter[int]) -> list[Any]:
+    """The entries, from the first whose module is not (or no longer) being called."""
+    for position, entry in enumerate(entries):
+        key = id(entry.module)
+        if executing[key] <= 0:
+            return entries[position:]
+        executing[key] -= 1
+    return []
 
 
 def _record_stream(
@@ -350,7 +541,15 @@ def _record_stream(
     recorded = 0
     for tensor in tensors:
         if tensor.device == device:  # other devices' allocators never see ``stream``
-            backend.record_stream(tensor, stream)
+            try:
+                backend.record_stream(tensor, stream)
+            except RuntimeError:
+                # Under torch.func.vmap: no batching rule. Mark the memory under the
+                # wrapper instead (checked only on failure, so the common path pays nothing).
+                inner = storage_tensor(tensor)
+                if inner is None:
+                    raise
+                backend.record_stream(inner, stream)
             recorded += 1
     return recorded
 

@@ -9,7 +9,7 @@ __all__ = ["Counters", "OOOStats"]
 
 @dataclass(frozen=True)
 class OOOStats:
-    """Counts since wrapping.
+    """Counts since wrapping; calls run under ``torch.compile`` are not counted.
 
     Attributes:
         forwards: calls of the wrapped model's ``forward``.

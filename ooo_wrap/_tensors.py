@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["tensors_in"]
+# PyTorch has no public pytree module; torch.utils._pytree is what torch.compile, FSDP and
+# torch.export use to walk containers, and the only registry of user container types
+# (register_pytree_node). Used here only to flatten one level of a registered type.
+from torch.utils import _pytree
+
+__all__ = ["storage_tensor", "tensors_in"]
 
 _Tensor = torch.Tensor
+# Values that hold no tensor: never searched, never reported.
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_ATOM_BASES = (enum.Enum, torch.layout, torch.memory_format, type)
 
 
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    """Every tensor inside ``value``: tensors, tuples (named too), lists, dicts, dataclasses.
+def tensors_in(value: Any, unseen: list[str] | None = None) -> list[torch.Tensor]:
+    """Every tensor inside ``value``.
+
+    Searched: tensors, tuples (named too), lists, dicts and other mappings, dataclasses,
+    types registered with PyTorch's pytree (``deque``, user registrations), and the
+    attributes of any other object (``SimpleNamespace``, a plain object, a Hugging Face
+    cache holding a list of layer objects), up to ``_OBJECT_DEPTH`` objects deep. The type
+    name of each object the search could not see into (no attributes, or objects nested
+    deeper than that) is appended to ``unseen`` when given.
 
     A bare tensor and a flat tuple of tensors take a fast path: this runs twice per
     stage call, where ``torch.utils._pytree.tree_flatten`` alone would cost ~20 µs.
@@ -24,19 +40,61 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     if type(value) is tuple and all(isinstance(item, _Tensor) for item in value):
         return list(value)
     found: list[torch.Tensor] = []
-    _collect(value, found)
+    _collect(value, found, unseen, _OBJECT_DEPTH, set())
     return found
 
 
-def _collect(value: Any, found: list[torch.Tensor]) -> None:
+# How many plain objects deep the search opens attributes: enough for an object holding a
+# list of objects holding tensors (a Hugging Face ``DynamicCache`` and its layers), bounded
+# so an arbitrary object graph on the hot path costs a bounded walk.
+_OBJECT_DEPTH = 3
+
+
+def _collect(
+    value: Any, found: list[torch.Tensor], unseen: list[str] | None, depth: int, seen: set[int]
+) -> None:
     if isinstance(value, _Tensor):
         found.append(value)
+    elif isinstance(value, _ATOMS):
+        pass
     elif isinstance(value, (tuple, list)):
         for item in value:
-            _collect(item, found)
+            _collect(item, found, unseen, depth, seen)
     elif isinstance(value, Mapping):
         for item in value.values():
-            _collect(item, found)
+            _collect(item, found, unseen, depth, seen)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
-            _collect(getattr(value, field.name), found)
+            _collect(getattr(value, field.name), found, unseen, depth, seen)
+    elif type(value) in _pytree.SUPPORTED_NODES:
+        children, _ = _pytree.SUPPORTED_NODES[type(value)].flatten_fn(value)
+        for item in children:
+            _collect(item, found, unseen, depth, seen)
+    elif isinstance(value, _ATOM_BASES) or callable(value):
+        pass
+    else:
+        attributes = getattr(value, "__dict__", None)
+        if depth > 0 and isinstance(attributes, dict):
+            if id(value) in seen:
+                return  # a cycle, or an object reached twice: its tensors are found once
+            seen.add(id(value))
+            for item in attributes.values():
+                _collect(item, found, unseen, depth - 1, seen)
+        elif unseen is not None:
+            unseen.append(type(value).__name__)
+
+
+def storage_tensor(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor under ``tensor``'s torch.func wrappers, or ``None`` if it has none.
+
+    Inside ``vmap`` a tensor is a wrapper over the whole batch, and ``record_stream`` has
+    no batching rule; the wrapped tensor shares the wrapper's memory, so the allocator
+    mark belongs on it. torch.func has no public unwrap, hence its private helpers here.
+    """
+    from torch._C import _functorch
+
+    if not _functorch.is_functorch_wrapped_tensor(tensor):
+        return None
+    while _functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = _functorch.get_unwrapped(tensor)
+    return tensor

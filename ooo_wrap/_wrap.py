@@ -254,6 +254,7 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
             f"this {type(model).__name__} is already wrapped; call model.unwrap() first "
             "to wrap it again with other options"
         )
+    _refuse_nested(model)
     if isinstance(model, DistributedDataParallel):
         # Wrapping inside DDP keeps stage names, ooo_stage_names and the plan the model's
         # own (no "module." prefix) and is the order tested on every DDP mode; one order
@@ -310,6 +311,25 @@ def _device_fallback(model: nn.Module, reason: str, options: WrapOptions) -> nn.
             f"it); move it first, then wrap: OOOModule(model.to({accelerator.type!r}), ...)"
         )
     return model
+
+
+def _refuse_nested(model: nn.Module) -> None:
+    """One wrapped model may not contain another: both would fork the same calls."""
+    for name, sub in model.named_modules(remove_duplicate=False):
+        if sub is not model and sub in _wrapped:
+            raise OOOConfigError(
+                f"sub-module '{name}' of this {type(model).__name__} is already wrapped; "
+                "wrap only one of them: ooo_wrap.unwrap() the inner one first, or keep it "
+                "and name its parts as stages there"
+            )
+    for other in list(_wrapped):
+        for name, sub in other.named_modules(remove_duplicate=False):
+            if sub is model:
+                raise OOOConfigError(
+                    f"this {type(model).__name__} is sub-module '{name}' of a wrapped "
+                    f"{type(other).__name__}; wrap only one of them (name '{name}' or its "
+                    "parts as stages of the outer model instead)"
+                )
 
 
 def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Backend) -> nn.Module:

@@ -150,7 +150,8 @@ def test_the_report_notes_a_torch_outside_the_checked_range(
     monkeypatch: pytest.MonkeyPatch, version: str, noted: bool
 ) -> None:
     monkeypatch.setattr(torch, "__version__", version)
-    report = check(nn.Linear(4, 4), torch.randn(2, 4), streams=1, steps=1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # two stages: really checked
+    report = check(model, torch.randn(2, 4), streams=2, steps=1)
     notes = [note for note in report.notes if "engine model was checked against" in note]
     if noted:
         assert notes == [

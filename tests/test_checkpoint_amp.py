@@ -4,12 +4,15 @@ change no arithmetic)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
+from ooo_wrap import _scheduler as scheduler_module
 from ooo_wrap.testing import SimulatedBackend, check
 from ooo_wrap.testing._simulated import DEFAULT_STREAM
 
@@ -230,3 +233,50 @@ def test_autocast_and_grad_scaler_on_gpu_match_plain() -> None:
     got, scales, _ = _amp_loop(wrapped, "cuda")
     torch.testing.assert_close(got, expected, equal_nan=True)
     assert scales == expected_scales
+
+
+class TiedAcrossStages(nn.Module):
+    """One weight used by two stages: autocast caches its low-precision copy once.
+
+    The autocast region is the forward, as PyTorch recommends (one region per step).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 12)
+        self.b = nn.Linear(12, 12)
+        self.b.weight = self.a.weight  # tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (self.a(x).relu() + self.b(x)).float()
+
+
+def test_autocast_weight_tied_across_stages_passes_the_race_check() -> None:
+    # Without care the copy cast in stage a (on its stream) is read by stage b on another
+    # stream, and freed into a's pool while b's backward may still read it.
+    report = check(TiedAcrossStages(), torch.randn(5, 12), streams=2)
+    assert report.ok, str(report)
+
+
+def test_without_sharing_a_stream_the_tied_autocast_copy_is_a_hazard(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(scheduler_module, "_pair_tied_stages", lambda model, stages: False)
+    report = check(TiedAcrossStages(), torch.randn(5, 12), streams=2)
+    assert any(
+        (h.allocated_on, h.access.stream, h.access.stage) == ("side1", "side2", "b")
+        for h in report.allocator_hazards
+    ), str(report)
+
+
+def test_autocast_weight_tied_across_stages_keeps_bitwise_parity() -> None:
+    torch.manual_seed(0)
+    plain = TiedAcrossStages()
+    wrapped = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=2, backend=SimulatedBackend())
+    x = torch.randn(5, 12)
+    out, expected = wrapped(x), plain(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(wrapped.a.weight.grad, plain.a.weight.grad, rtol=0, atol=0)

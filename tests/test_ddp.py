@@ -159,7 +159,8 @@ def test_compiled_ddp_runs_stages_inline_with_one_bypassed_event(
             (ooo_wrap.EventKind.ENABLED, "simulated"),
             (ooo_wrap.EventKind.BYPASSED, "compiling"),
         ]
-        assert (runs["stats"].stage_calls, runs["stats"].bypasses) == (0, 3 * STEPS)
+        # Compiled calls are left out of stats (counting them would recompile each call).
+        assert (runs["stats"].stage_calls, runs["stats"].bypasses) == (0, 0)
 
 
 def test_unused_head_gets_no_gradient_with_find_unused_parameters(

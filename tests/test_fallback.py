@@ -297,17 +297,15 @@ def test_a_wrapped_model_under_torch_compile_runs_stages_inline() -> None:
             model.zero_grad()
             plain.zero_grad()
             assert_trains_like(compiled, plain, x)
-            events = model.events  # read every step: still one event, counting up
+            events = model.events  # read every step: still one event
             assert [e.kind for e in events] == [EventKind.ENABLED, EventKind.BYPASSED]
     assert [str(w.message) for w in caught] == []
 
     assert backend.log == ()  # inline: no stream calls at all
     bypassed = model.events[-1]
     assert bypassed.reason == "compiling"
-    assert bypassed.count == 2 * steps
-    assert model.stats.bypasses == 2 * steps
-    assert model.stats.forwards == steps
-    assert model.stats.stage_calls == 0
+    assert bypassed.count == 1  # compiled calls are not counted one by one
+    assert model.stats == ooo_wrap.OOOStats()
 
     # Eager again afterwards: side streams as before.
     model(x)

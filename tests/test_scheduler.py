@@ -64,12 +64,14 @@ def _stage_calls(
     """Protocol steps 1-5 for one stage call with one tensor in and one out."""
     return [
         ("current_stream", DEFAULT, None, None),  # ambient
+        # record_stream comes before each event record: older CUDA Stream Sanitizers
+        # count record_stream as a write on the current stream, which the event must cover.
+        ("record_stream", side, None, tensor_in),  # 2. inputs kept alive for s
         ("record_event", DEFAULT, fork, None),  # 1. s waits on ambient ...
         ("wait_event", side, fork, None),
-        ("record_stream", side, None, tensor_in),  # 2. inputs kept alive for s
         ("set_stream", side, None, None),  # 3. switch; the stage runs here
-        ("record_event", side, join, None),  # 4. e on s ...
         ("record_stream", DEFAULT, None, tensor_out),  # outputs read on ambient
+        ("record_event", side, join, None),  # 4. e on s ...
         ("set_stream", DEFAULT, None, None),  # ambient restored
         ("wait_event", DEFAULT, join, None),  # ambient waits on e
     ]
@@ -356,6 +358,27 @@ def test_disabled_nests_and_is_per_thread() -> None:
     assert other_thread_stats[0].stage_calls == 2
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_inference_runs_stages_inline_with_one_counted_event(mode: type) -> None:
+    # No backward to overlap, and forward is joined stage by stage: side streams would
+    # only add stream calls.
+    backend = SimulatedBackend(keep_all=True)
+    model = make_two_towers()
+    plain = copy.deepcopy(model)
+    wrap(model, backend)
+    backend.clear_log()
+    x = two_tower_input()
+    with mode():
+        for _ in range(3):
+            assert torch.equal(model(x), plain(x))
+    assert not any(c.op in ("set_stream", "wait_event", "record_stream") for c in backend.log)
+    (bypassed,) = events_of(model, EventKind.BYPASSED)
+    assert (bypassed.reason, bypassed.count) == ("no_grad", 6)
+    assert model.stats == OOOStats(forwards=3, bypasses=6)
+    model(x).sum().backward()  # gradients on again: side streams again
+    assert model.stats.stage_calls == 2
+
+
 def test_graph_capture_runs_stages_inline() -> None:
     backend = SimulatedBackend(keep_all=True)
     model = make_two_towers()
@@ -510,12 +533,12 @@ def test_ten_thousand_forwards_keep_every_structure_at_a_fixed_size() -> None:
             "hooks": hook_count(model),
         }
 
-    with torch.no_grad():
-        for _ in range(1_000):
-            model(x)
-        first = sizes()
-        for _ in range(9_000):
-            model(x)
+    # Gradients on (each output dropped at once): under no_grad stages would run inline.
+    for _ in range(1_000):
+        model(x)
+    first = sizes()
+    for _ in range(9_000):
+        model(x)
     assert sizes() == first
     assert first["backend_log"] == 10_000
     assert first["frames"] == 0 and first["calls"] == 0
@@ -562,3 +585,34 @@ def test_keep_all_log_keeps_everything_and_bounded_log_keeps_the_latest() -> Non
     assert len(everything.log) == 2 + 3 * 23
     assert isinstance(recent.log, tuple)
     assert recent.log == everything.log[-5:]  # the same run: the latest 5 calls, newest last
+
+
+class _EventCounting(SimulatedBackend):
+    """Counts the events it is asked to create (``record_event`` without one to re-use)."""
+
+    created = 0
+
+    def record_event(
+        self, stream: VirtualStream, event: VirtualEvent | None = None
+    ) -> VirtualEvent:
+        if event is None:
+            self.created += 1
+            return super().record_event(stream)
+        return super().record_event(stream, event)
+
+
+def test_events_are_made_once_per_stage_and_thread_then_reused() -> None:
+    backend = _EventCounting()
+    model = make_two_towers()
+    wrap(model, backend)
+    x = two_tower_input()
+    model(x).sum().backward()
+    first = backend.created  # a fork and a join per stage, a final join per stream
+    assert first == 2 * 2 + 2
+    for _ in range(5):
+        model(x).sum().backward()
+    assert backend.created == first
+    worker = threading.Thread(target=lambda: model(x))  # another thread: its own events
+    worker.start()
+    worker.join()
+    assert backend.created == 2 * first

@@ -45,8 +45,10 @@ class DetectingBackend(SimulatedBackend):
         super().__init__(keep_all=keep_all, log_size=log_size)
         self._detection: Detection | None = None
 
-    def record_event(self, stream: VirtualStream) -> VirtualEvent:
-        event = super().record_event(stream)
+    def record_event(
+        self, stream: VirtualStream, event: VirtualEvent | None = None
+    ) -> VirtualEvent:
+        event = super().record_event(stream, event)
         if self._detection is not None:
             self._detection._events[event.id] = self._detection.tracker.snapshot(stream)
         return event

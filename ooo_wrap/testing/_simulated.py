@@ -135,7 +135,11 @@ class SimulatedBackend:
         self._local.stream = stream
         self._call("set_stream", stream)
 
-    def record_event(self, stream: VirtualStream) -> VirtualEvent:
+    def record_event(
+        self, stream: VirtualStream, event: VirtualEvent | None = None
+    ) -> VirtualEvent:
+        # A re-recorded event is modelled as a new one: it marks a new point on
+        # ``stream``, and waits queued before keep the point they saw.
         event = VirtualEvent(next(self._event_ids), stream)
         self._call("record_event", stream, event)
         return event

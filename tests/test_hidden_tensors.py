@@ -1,0 +1,127 @@
+"""Tensors in stage inputs and outputs held by containers other than tuple/list/dict.
+
+Each tensor a stage passes on needs ``record_stream``; one the hooks cannot find is an
+allocator hazard on a GPU, which the race checker reports.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ooo_wrap
+from ooo_wrap import EventKind
+from ooo_wrap.testing import SimulatedBackend, check
+
+
+class Holder:
+    """A plain object with tensor attributes."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a = a
+        self.b = b
+
+
+class Deep:
+    """An object holding an object; three of them nested are deeper than the hooks look."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+
+class Cache:
+    """A list of objects holding tensors, as a Hugging Face ``DynamicCache`` holds layers."""
+
+    def __init__(self, layers: list[Holder]) -> None:
+        self.layers = layers
+
+
+def _pack(kind: str, a: torch.Tensor, b: torch.Tensor) -> Any:
+    if kind == "namespace":
+        return types.SimpleNamespace(a=a, b=b, note="text")
+    if kind == "object":
+        return Holder(a, b)
+    if kind == "deque":
+        return collections.deque([a, b])
+    if kind == "cache":
+        return Cache([Holder(a, b)])
+    return Deep(Deep(Deep(Holder(a, b))))
+
+
+def _unpack(kind: str, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "deque":
+        return value[0], value[1]
+    if kind == "cache":
+        value = value.layers[0]
+    if kind == "deep":
+        value = value.inner.inner.inner
+    return value.a, value.b
+
+
+class Split(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.lin(x)
+        return _pack(self.kind, h.relu(), h.sigmoid())
+
+
+class Merge(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, packed: Any) -> torch.Tensor:
+        a, b = _unpack(self.kind, packed)
+        out: torch.Tensor = self.lin(a * b)
+        return out
+
+
+class Packed(nn.Module):
+    """Stage ``split`` returns a container; stage ``merge`` takes it as its input."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.split = Split(kind)
+        self.merge = Merge(kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.merge(self.split(x))
+        return out
+
+
+@pytest.mark.parametrize("kind", ["namespace", "object", "deque", "cache"])
+def test_tensors_in_other_containers_get_record_stream(kind: str) -> None:
+    backend = SimulatedBackend(keep_all=True)
+    model = ooo_wrap.OOOModule(Packed(kind), backend=backend)
+    model(torch.randn(4, 8))
+    # split: x in, two tensors out; merge: the two in, one out.
+    assert model.stats.record_streams == 1 + 2 + 2 + 1
+    assert not [e for e in model.events if e.kind is EventKind.UNTRACKED]
+
+
+@pytest.mark.parametrize("kind", ["namespace", "object", "deque", "cache"])
+def test_check_is_clean_on_tensors_in_other_containers(kind: str) -> None:
+    report = check(Packed(kind), torch.randn(4, 8))
+    assert report.ok, str(report)
+
+
+def test_an_output_the_hooks_cannot_see_into_is_reported_once() -> None:
+    model = ooo_wrap.OOOModule(Packed("deep"), backend=SimulatedBackend())
+    for _ in range(3):
+        model(torch.randn(4, 8))
+    untracked = [e for e in model.events if e.kind is EventKind.UNTRACKED]
+    assert [(e.stage, e.reason, e.count) for e in untracked] == [
+        ("split", "Holder", 1),
+        ("merge", "Holder", 1),
+    ]
+    assert "record_stream" in untracked[0].message
