@@ -1,7 +1,11 @@
-"""The class swap: a cached ``OOO<ClassName>`` subclass per model class.
+"""The class swap: a cached subclass of ``OOOModule`` and the model's class, per model class.
 
 Wrapping changes only ``model.__class__`` (like FSDP2's ``FSDP<ClassName>``), so
-``isinstance`` checks, parameter names and ``state_dict()`` keys stay the model's.
+``isinstance`` checks, parameter names and ``state_dict()`` keys stay the model's. The
+class keeps the model's ``__name__`` (code that records a model's class name, such as
+``save_pretrained``'s ``architectures`` or ``print(model)``, writes what it would for the
+plain model) and has ``__qualname__`` ``OOO<ClassQualname>``, so ``repr(type(model))``
+shows that it is wrapped.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ class _LeftToModel:
 
 
 def wrapped_class(model: nn.Module, cls: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
-    """The cached ``OOO<cls>(base, cls)`` class for ``model``, whose class is ``cls``.
+    """The cached ``(base, cls)`` class for ``model``, whose class is ``cls``: named as
+    ``cls``, with qualified name ``OOO<cls qualname>``.
 
     Names of the wrapper's API that the model already has (on its class, or as an
     attribute, sub-module, parameter or buffer) stay the model's, with a one-time warning.
@@ -71,7 +76,10 @@ def wrapped_class(model: nn.Module, cls: type[nn.Module], base: type[nn.Module])
             namespace[name] = (
                 inspect.getattr_static(cls, name) if name in on_class else _LeftToModel(name)
             )
-        _classes[key] = type(f"OOO{cls.__name__}", (base, cls), namespace)
+        # Same __name__ as the model's class: names recorded from the class (a saved
+        # config's architectures, module repr, error messages) match the plain model's.
+        # Pickle and copy never look this class up by name (see _serialize.py).
+        _classes[key] = type(cls.__name__, (base, cls), namespace)
     return _classes[key]
 
 

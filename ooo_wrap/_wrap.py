@@ -72,10 +72,11 @@ class OOOModule(nn.Module):
     Each stage (a sub-module; stages may share sub-modules but not nest) runs its forward
     on a side stream, so autograd runs
     its backward there too and independent branches overlap, with the same gradients.
-    The model object is returned with its class swapped to a cached subclass
-    ``OOO<ClassName>``: ``isinstance`` checks, parameter names and ``state_dict()`` keys
-    are unchanged. Where the scheme cannot help (CPU or MPS model, no accelerator, fewer
-    than two stages, a compiled or TorchScript model) the model is returned untouched and
+    The model object is returned with its class swapped to a cached subclass (named as
+    the model's class, qualified name ``OOO<ClassName>``): ``isinstance`` checks, class
+    names, parameter names and ``state_dict()`` keys are unchanged.
+    Where the scheme cannot help (CPU or MPS model, no accelerator, fewer than two stages,
+    a compiled or TorchScript model) the model is returned untouched and
     :func:`events_for` says why; the device is checked first, so a CPU model falls back
     whatever its layout (with a one-time warning if an accelerator is available). Code
     that rebuilds a wrapped module through its class (``model[0:2]``, ``type(model)(...)``)

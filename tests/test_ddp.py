@@ -88,7 +88,7 @@ def _ddp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]:
             "events": [(event.kind, event.reason) for event in wrapped.events],
             "stats": wrapped.stats,
             "stages": [stage.name for stage in wrapped.plan.stages],
-            "class": type(wrapped).__name__,
+            "class": (type(wrapped).__name__, type(wrapped).__qualname__),
         }
     try:
         ooo_wrap.OOOModule(DistributedDataParallel(Branches()), backend=SimulatedBackend())
@@ -139,7 +139,7 @@ def test_wrapped_ddp_ran_stages_on_side_streams(ranks: list[dict[str, Any]], mod
     calls = sum(3 if uses_extra(step) else 2 for step in range(STEPS))
     for rank_results in ranks:
         runs = rank_results[mode]
-        assert runs["class"] == "OOOBranches"
+        assert runs["class"] == ("Branches", "OOOBranches")
         assert runs["stages"] == ["left", "right", "extra"]
         expected = [(ooo_wrap.EventKind.ENABLED, "simulated")]
         if not all(uses_extra(step) for step in range(STEPS)):  # a forward skipped extra

@@ -157,7 +157,7 @@ def _fsdp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]
             "fsdp_hook_streams": _watch(spy, shard_first, shard, device),
             "stats": model.stats,
             "events": [(event.kind, event.reason) for event in model.events],
-            "mro": [cls.__name__ for cls in type(model).__mro__],
+            "mro": [cls.__qualname__ for cls in type(model).__mro__],
             "is_fsdp": isinstance(model, FSDPModule),
             "stage_is_fsdp": isinstance(model.left, FSDPModule),
         }
@@ -235,8 +235,9 @@ def test_fsdp_class_order_follows_wrap_order(ranks: list[dict[str, Any]]) -> Non
         "OOOModule",
         "FSDPBranches",
     ]
+    # FSDP2 names its class FSDP<__name__>, and the wrapped class keeps the model's name.
     assert ranks[0]["wrap_then_shard_all"]["mro"][:4] == [
-        "FSDPOOOBranches",
+        "FSDPBranches",
         "FSDPModule",
         "OOOBranches",
         "OOOModule",
@@ -255,7 +256,7 @@ def test_unwrap_after_fully_shard_of_the_root_refuses_clearly(
     ranks: list[dict[str, Any]], order: str
 ) -> None:
     result = ranks[0][order]
-    assert "cannot unwrap this FSDPOOOBranches" in result["unwrap_error"]
+    assert "cannot unwrap this FSDPBranches" in result["unwrap_error"]
     assert "Unwrap before applying it" in result["unwrap_error"]
     assert result["still_wrapped"]
 
@@ -283,7 +284,7 @@ def test_a_later_in_place_wrapper_can_subclass_a_wrapped_class() -> None:
     model.__class__ = later
     model(torch.randn(2, 8)).sum().backward()  # the hooks still run
     assert model.stats.stage_calls == 3
-    with pytest.raises(ooo_wrap.OOOConfigError, match="cannot unwrap this LaterOOOBranches"):
+    with pytest.raises(ooo_wrap.OOOConfigError, match="cannot unwrap this LaterBranches"):
         model.unwrap()
     assert type(model) is later and isinstance(model, ooo_wrap.OOOModule)  # left as it was
     model.__class__ = wrapped_class  # the later wrapper undone: unwrap works again

@@ -207,7 +207,7 @@ from torch.utils.hooks import RemovableHandle
 first_id = RemovableHandle.next_id
 model = torch.load(sys.argv[1], weights_only=False)
 model(torch.randn(2, 8)).sum().backward()
-print(first_id, type(model).__name__, model.stats.stage_calls, model.towers[0].hook.calls)
+print(first_id, type(model).__qualname__, model.stats.stage_calls, model.towers[0].hook.calls)
 print([e.reason for e in model.events])
 """
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,22 @@ def test_wrapping_is_in_place_with_a_swapped_class() -> None:
     assert isinstance(model, TwoTowers)
     assert isinstance(model, OOOModule)
     assert isinstance(model, nn.Module)
-    assert type(model).__name__ == "OOOTwoTowers"
+    # Named as the model's class (saved configs and reprs match the plain model's);
+    # the qualified name says it is wrapped.
+    assert type(model).__name__ == "TwoTowers"
+    assert type(model).__qualname__ == "OOOTwoTowers"
+    assert repr(type(model)) == f"<class '{TwoTowers.__module__}.OOOTwoTowers'>"
+    assert repr(model).startswith("TwoTowers(")
     assert type(model).__mro__[1:3] == (OOOModule, TwoTowers)
+
+
+def test_the_wrapped_class_is_never_pickled_as_the_original_class() -> None:
+    # Pickle finds classes by __qualname__, which differs from the original's: the dynamic
+    # class itself cannot be pickled (models pickle as their original class instead).
+    model = wrapped_two_towers()
+    with pytest.raises(pickle.PicklingError, match="OOOTwoTowers"):
+        pickle.dumps(type(model))
+    assert type(pickle.loads(pickle.dumps(model))).__mro__[1:3] == (OOOModule, TwoTowers)
 
 
 def test_the_dynamic_class_is_cached_per_model_class() -> None:
@@ -47,7 +62,7 @@ def test_the_dynamic_class_is_cached_per_model_class() -> None:
     other = Towers()
     OOOModule(other, backend=SimulatedBackend())
     assert type(other) is not type(first)
-    assert type(other).__name__ == "OOOTowers"
+    assert type(other).__qualname__ == "OOOTowers"
 
 
 def test_names_and_state_dict_keys_are_unchanged() -> None:
@@ -256,7 +271,7 @@ def test_wrapping_twice_is_an_error() -> None:
         OOOModule(model, backend=SimulatedBackend())
     assert "TwoTowers" in str(info.value)
     assert hook_snapshot(model) == hooks
-    assert type(model).__name__ == "OOOTwoTowers"
+    assert type(model).__qualname__ == "OOOTwoTowers"
 
 
 @pytest.mark.parametrize("value", [None, "model", 3, [nn.Linear(2, 2)]])
