@@ -212,6 +212,9 @@ def render_report(report: Mapping[str, Any]) -> str:
         lines.append("")
         lines.append(markdown_table(report["results"]))
         lines.append("")
+        sources = {(r.get("estimate") or {}).get("source") for r in report["results"]} - {None}
+        lines += [f"Estimated columns: {source}." for source in sorted(sources)]
+        lines += [""] if sources else []
         lines.append("Targets (GPU, steady state; reported, not tuned for):")
         lines += targets_lines(report["results"])
         lines += _outcome_lines(report)
