@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from .._cost import estimate_op
+from .._tensors import tensors_in
 from ._engine import EngineModel
 from ._intercept import OpInterceptor, intercept_new_threads
-from ._ops import TensorUse, is_view_only, storage_key, tensor_uses, tensors_of, written_keys
+from ._ops import TensorUse, is_view_only, storage_key, tensor_uses, written_keys
 from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
 from ._tracker import Access, AllocatorHazard, Clock, OpRecord, Phase, Race, StreamTracker
 
@@ -179,7 +180,7 @@ class Detection:
         self._engine.catch_up()
         if is_view_only(func):
             # No kernel, no access: only the autograd node it may create matters.
-            self._engine.created(list(tensors_of(out)), self.stream_now(), self._stage_now())
+            self._engine.created(tensors_in(out), self.stream_now(), self._stage_now())
             return
         uses = tensor_uses(func, args, kwargs, out, before)
         consumer = self._engine.accumulation_target(u.key for u in uses if not u.fresh)
@@ -189,7 +190,7 @@ class Detection:
             stream, stage = self.stream_now(), self._stage_now()
         cost = estimate_op(func, args, kwargs, out).device_us
         self._record(str(func), stream, stage, uses, cost)
-        self._engine.created(list(tensors_of(out)), stream, stage)
+        self._engine.created(tensors_in(out), stream, stage)
 
     def _host_read(self, tensor: torch.Tensor) -> None:
         with self._lock:
