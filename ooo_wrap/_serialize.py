@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -34,9 +34,15 @@ from torch.utils.hooks import RemovableHandle
 from ._errors import OOOError
 from ._events import EventKind, OOOEvent
 from ._options import WrapOptions
-from ._wrap import _wrap, _wrapped, _WrapState
 
-__all__ = ["deepcopy_wrapped", "reduce_wrapped", "refuse_shallow_copy"]
+if TYPE_CHECKING:  # for annotations only: _wrap imports this module, never the reverse
+    from ._wrap import _WrapState
+
+# Wraps a model as the options say; returns its wrap state, or None if it fell back.
+# Passed in by _wrap (which sits above this module), so that neither imports the other.
+Rewrap = Callable[[nn.Module, WrapOptions], "_WrapState | None"]
+
+__all__ = ["deepcopy_wrapped", "reduce_wrapped", "refuse_shallow_copy", "restore"]
 
 Hooks = dict[Any, Any]  # a module's hook dict (an OrderedDict), keyed by hook id
 
@@ -47,13 +53,16 @@ class _WrapperHook:
     ``index`` (in install order); the new wrapper's hook of that index takes the place.
 
     Part of the pickle format of wrapped models, with :func:`_new_instance`,
-    :func:`_restore` and ``WrapOptions``: renaming them breaks loading older pickles.
+    ``ooo_wrap._wrap._restore`` and ``WrapOptions``: renaming them breaks loading older
+    pickles.
     """
 
     index: int
 
 
-def deepcopy_wrapped(model: nn.Module, state: _WrapState, memo: dict[int, Any]) -> nn.Module:
+def deepcopy_wrapped(
+    model: nn.Module, state: _WrapState, memo: dict[int, Any], rewrap: Rewrap
+) -> nn.Module:
     """``copy.deepcopy`` of a wrapped model: a plain deep copy, wrapped with the same options."""
     for index, handle in enumerate(state.handles):
         hooks = handle.hooks_dict_ref()
@@ -72,6 +81,7 @@ def deepcopy_wrapped(model: nn.Module, state: _WrapState, memo: dict[int, Any]) 
     _wrap_again(
         clone,
         state.options,
+        rewrap,
         "deepcopy",
         "a deep copy of a wrapped model, wrapped again with the same options: its own "
         "hooks, streams, events and stats (the original's stay with the original)",
@@ -79,8 +89,11 @@ def deepcopy_wrapped(model: nn.Module, state: _WrapState, memo: dict[int, Any]) 
     return clone
 
 
-def reduce_wrapped(model: nn.Module, state: _WrapState) -> tuple[Any, ...]:
-    """``__reduce_ex__`` of a wrapped model: rebuild the plain model, then wrap it again."""
+def reduce_wrapped(
+    model: nn.Module, state: _WrapState, restore: Callable[[nn.Module, Any], None]
+) -> tuple[Any, ...]:
+    """``__reduce_ex__`` of a wrapped model: rebuild the plain model, then ``restore`` it
+    (a module-level function of ``_wrap`` that calls :func:`restore`)."""
     plain_state = model.__getstate__()  # type: ignore[no-untyped-call]  # untyped in torch
     if not isinstance(plain_state, dict):
         raise OOOError(
@@ -103,7 +116,7 @@ def reduce_wrapped(model: nn.Module, state: _WrapState) -> tuple[Any, ...]:
     payload = (_plain_copy_of(plain_state, ours, on_paths, views), state.options)
     # The 6th item (state_setter) runs after the state is loaded: the model is rebuilt
     # first, so references back to it inside its own state resolve to the new object.
-    return (_new_instance, (state.original_class,), payload, None, None, _restore)
+    return (_new_instance, (state.original_class,), payload, None, None, restore)
 
 
 def refuse_shallow_copy(model: nn.Module) -> NoReturn:
@@ -169,29 +182,31 @@ def _plain_view(
 
 
 def _new_instance(cls: type[nn.Module]) -> nn.Module:
-    """An empty instance of the original class; its state is set by :func:`_restore`."""
+    """An empty instance of the original class; its state is set by :func:`restore`."""
     return cls.__new__(cls)
 
 
-def _restore(model: nn.Module, payload: tuple[dict[str, Any], WrapOptions]) -> None:
+def restore(model: nn.Module, payload: tuple[dict[str, Any], WrapOptions], rewrap: Rewrap) -> None:
     """Load the plain state into ``model`` and wrap it again (or let it fall back)."""
     plain_state, options = payload
     model.__setstate__(plain_state)  # type: ignore[no-untyped-call]  # untyped in torch
     _wrap_again(
         model,
         options,
+        rewrap,
         "unpickled",
         "loaded from a pickle of a wrapped model and wrapped again with the same options",
     )
 
 
-def _wrap_again(model: nn.Module, options: WrapOptions, reason: str, message: str) -> None:
+def _wrap_again(
+    model: nn.Module, options: WrapOptions, rewrap: Rewrap, reason: str, message: str
+) -> None:
     """Take the markers out, wrap ``model`` as ``options`` say, put the new hooks in the
     markers' places and note where the model came from; or leave it plain (a fallback)."""
     marked = _take_markers(model)
     _skip_loaded_hook_ids(model)
-    _wrap(model, options)
-    state = _wrapped.get(model)
+    state = rewrap(model, options)
     if state is None:
         return
     for hooks, order in marked:

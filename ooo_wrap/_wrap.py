@@ -23,6 +23,7 @@ from ._options import WrapOptions
 from ._plan import Plan, plan, plural
 from ._profiling import ProfiledScheduler
 from ._scheduler import Scheduler
+from ._serialize import deepcopy_wrapped, reduce_wrapped, refuse_shallow_copy, restore
 from ._stats import Counters, OOOStats
 
 __all__ = ["OOOModule", "events_for", "unwrap"]
@@ -163,19 +164,13 @@ class OOOModule(nn.Module):
     # the scheduler (thread-local state, streams) is never copied. See _serialize.py.
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
-        from ._serialize import deepcopy_wrapped  # _serialize imports this module
-
-        return deepcopy_wrapped(self, _state(self), memo)
+        return deepcopy_wrapped(self, _state(self), memo, _rewrap)
 
     def __copy__(self) -> nn.Module:
-        from ._serialize import refuse_shallow_copy
-
         return refuse_shallow_copy(self)
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        from ._serialize import reduce_wrapped
-
-        return reduce_wrapped(self, _state(self))
+        return reduce_wrapped(self, _state(self), _restore)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -232,6 +227,17 @@ def record_fallback(model: nn.Module, reason: str, *, warn: bool = False) -> nn.
     if warn:
         warn_user(f"ooo_wrap: {event.message}")
     return model
+
+
+def _rewrap(model: nn.Module, options: WrapOptions) -> _WrapState | None:
+    """Wrap a copy as ``options`` say: its wrap state, or ``None`` if it fell back."""
+    _wrap(model, options)
+    return _wrapped.get(model)
+
+
+def _restore(model: nn.Module, payload: Any) -> None:
+    """pickle's state setter for a wrapped model (named in every pickle of one)."""
+    restore(model, payload, _rewrap)
 
 
 def _state(model: nn.Module) -> _WrapState:
