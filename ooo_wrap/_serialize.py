@@ -204,8 +204,8 @@ def _wrap_again(
 ) -> None:
     """Take the markers out, wrap ``model`` as ``options`` say, put the new hooks in the
     markers' places and note where the model came from; or leave it plain (a fallback)."""
+    _rekey_loaded_hooks(model)
     marked = _take_markers(model)
-    _skip_loaded_hook_ids(model)
     state = rewrap(model, options)
     if state is None:
         return
@@ -228,18 +228,25 @@ def _take_markers(model: nn.Module) -> list[tuple[Hooks, list[Any]]]:
     return marked
 
 
-def _skip_loaded_hook_ids(model: nn.Module) -> None:
-    """Move the hook id counter past every id in ``model``'s dicts.
+def _rekey_loaded_hooks(model: nn.Module) -> None:
+    """Give every loaded hook whose id this process may still hand out a fresh id.
 
-    Unpickling in a fresh process brings hook ids the counter there never handed out; a
-    new hook could get one of them and silently replace a user hook in the same dict.
+    Unpickling in a fresh process brings hook ids its counter never handed out; a new hook
+    could get one of them and silently replace a user hook in the same dict. Fresh ids are
+    drawn as each hook registration draws one (a ``RemovableHandle``): torch's counter only
+    ever moves the ordinary way. Each id is renamed in all of the module's hook dicts
+    together (``with_kwargs`` and ``always_call`` share the hook's id); order is kept.
     """
-    highest = -1
     for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, dict):
-                highest = max(highest, max((k for k in value if type(k) is int), default=-1))
-    RemovableHandle.next_id = max(RemovableHandle.next_id, highest + 1)
+        attributes = vars(module).items()
+        dicts = [v for k, v in attributes if k[:1] == "_" and "_hooks" in k and isinstance(v, dict)]
+        first_unused = RemovableHandle.next_id
+        loaded = sorted({k for d in dicts for k in d if type(k) is int and k >= first_unused})
+        fresh = {old: RemovableHandle(dicts[0]).id for old in loaded}
+        for hooks in dicts if fresh else ():
+            items = list(hooks.items())
+            hooks.clear()
+            hooks.update((fresh.get(key, key), value) for key, value in items)
 
 
 def _reorder(hooks: Hooks, order: list[Any], handles: list[RemovableHandle]) -> None:
