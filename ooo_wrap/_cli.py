@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import OOOError, did_you_mean
+from ._errors import OOOConfigError, OOOError, did_you_mean, positive_int
 from ._plan import plan
 from ._wrap import unwrap
 
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "ooo-wrap") -> int:
         return done.code if isinstance(done.code, int) else EXIT_USAGE
     try:
         status: int = args.run(args)
-    except UsageError as error:
+    except (UsageError, OOOConfigError) as error:  # OOOConfigError: positive_int
         print(f"{prog}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     return status
@@ -150,10 +150,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _run_check(args: argparse.Namespace) -> int:
     shapes = [parse_shape(text) for text in args.inputs]
     dtypes = _dtypes_for(args.dtypes or ["float32"], len(shapes))
-    if args.int_high is not None and args.int_high < 1:
-        raise UsageError(f"--int-high must be a positive int, got {args.int_high}")
-    if args.steps < 1:
-        raise UsageError(f"--steps must be a positive int, got {args.steps}")
+    for flag, value in (("--int-high", args.int_high), ("--steps", args.steps)):
+        if value is not None:
+            positive_int(value, flag)
     from . import testing  # lazily: the checker is only needed by this command
 
     check = getattr(testing, "check", None)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._errors import OOOConfigError
+from .._errors import OOOConfigError, positive_int
 from .._tensors import map_leaves, named_tensors
 from .._wrap import OOOModule, events_for
 from ._detect import DetectingBackend, Detection, detect
@@ -74,8 +74,7 @@ def check(
             f"check() takes the plain model, but this {type(model).__name__} is wrapped; "
             "check it before wrapping, or pass ooo_wrap.unwrap(model)"
         )
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise OOOConfigError(f"steps must be a positive int, got {steps!r}")
+    positive_int(steps, "steps")
     backend = DetectingBackend()
     model = _materialized(model, inputs)
     wrapped = OOOModule(copy.deepcopy(model), streams, stages=stages, backend=backend)
