@@ -14,7 +14,6 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -155,9 +154,6 @@ def _run_check(args: argparse.Namespace) -> int:
             positive_int(value, flag)
     from . import testing  # lazily: the checker is only needed by this command
 
-    check = getattr(testing, "check", None)
-    if check is None:
-        raise UsageError("this ooo_wrap has no race checker (ooo_wrap.testing.check)")
     torch.manual_seed(args.seed)
     model = load_model(args.factory).cpu()
     high = args.int_high if args.int_high is not None else default_int_high(model)
@@ -165,7 +161,7 @@ def _run_check(args: argparse.Namespace) -> int:
     pairs = zip(shapes, dtypes, strict=True)
     inputs = [_random(shape, dtype, high, generator) for shape, dtype in pairs]
     try:
-        report: Any = check(
+        report = testing.check(
             model, *inputs, streams=args.streams, stages=args.stages, steps=args.steps
         )
     except OOOError as error:
