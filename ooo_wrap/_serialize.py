@@ -23,10 +23,11 @@ hook added to a stage after wrapping still runs after the wrapper's, on the call
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # for annotations only: _wrap imports this module, never the 
 # Passed in by _wrap (which sits above this module), so that neither imports the other.
 Rewrap = Callable[[nn.Module, WrapOptions], "_WrapState | None"]
 
-__all__ = ["deepcopy_wrapped", "reduce_wrapped", "refuse_shallow_copy", "restore"]
+__all__ = ["deepcopy_wrapped", "reduce_wrapped"]
 
 Hooks = dict[Any, Any]  # a module's hook dict (an OrderedDict), keyed by hook id
 
@@ -53,8 +54,8 @@ class _WrapperHook:
     ``index`` (in install order); the new wrapper's hook of that index takes the place.
 
     Part of the pickle format of wrapped models, with :func:`_new_instance`,
-    ``ooo_wrap._wrap._restore`` and ``WrapOptions``: renaming them breaks loading older
-    pickles.
+    :func:`_restore`, ``ooo_wrap._wrap._rewrap`` and ``WrapOptions``: renaming them
+    breaks loading older pickles.
     """
 
     index: int
@@ -89,11 +90,9 @@ def deepcopy_wrapped(
     return clone
 
 
-def reduce_wrapped(
-    model: nn.Module, state: _WrapState, restore: Callable[[nn.Module, Any], None]
-) -> tuple[Any, ...]:
-    """``__reduce_ex__`` of a wrapped model: rebuild the plain model, then ``restore`` it
-    (a module-level function of ``_wrap`` that calls :func:`restore`)."""
+def reduce_wrapped(model: nn.Module, state: _WrapState, rewrap: Rewrap) -> tuple[Any, ...]:
+    """``__reduce_ex__`` of a wrapped model: rebuild the plain model, then wrap it again
+    (``rewrap`` is pickled by name, as a module-level function)."""
     plain_state = model.__getstate__()  # type: ignore[no-untyped-call]  # untyped in torch
     if not isinstance(plain_state, dict):
         raise OOOError(
@@ -116,15 +115,8 @@ def reduce_wrapped(
     payload = (_plain_copy_of(plain_state, ours, on_paths, views), state.options)
     # The 6th item (state_setter) runs after the state is loaded: the model is rebuilt
     # first, so references back to it inside its own state resolve to the new object.
+    restore = functools.partial(_restore, rewrap=rewrap)
     return (_new_instance, (state.original_class,), payload, None, None, restore)
-
-
-def refuse_shallow_copy(model: nn.Module) -> NoReturn:
-    """``copy.copy`` of a wrapped model: refused, it would share the original's hooks."""
-    raise OOOError(
-        f"copy.copy of a wrapped {type(model).__name__} would share its stages, and so its "
-        "hooks, with the original; use copy.deepcopy(model), or ooo_wrap.unwrap(model) first"
-    )
 
 
 def _extra_entries(handles: list[RemovableHandle]) -> Iterator[tuple[Hooks, int]]:
@@ -186,7 +178,7 @@ def _new_instance(cls: type[nn.Module]) -> nn.Module:
     return cls.__new__(cls)
 
 
-def restore(model: nn.Module, payload: tuple[dict[str, Any], WrapOptions], rewrap: Rewrap) -> None:
+def _restore(model: nn.Module, payload: tuple[dict[str, Any], WrapOptions], rewrap: Rewrap) -> None:
     """Load the plain state into ``model`` and wrap it again (or let it fall back)."""
     plain_state, options = payload
     model.__setstate__(plain_state)  # type: ignore[no-untyped-call]  # untyped in torch

@@ -7,7 +7,7 @@ import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, SupportsIndex
+from typing import Any, NoReturn, SupportsIndex
 
 import torch
 from torch import nn
@@ -17,13 +17,13 @@ from torch.utils.hooks import RemovableHandle
 from ._backend import AcceleratorBackend, Backend
 from ._classswap import build_original, wrapped_class
 from ._compat import is_compiled_module
-from ._errors import OOOConfigError, warn_user
+from ._errors import OOOConfigError, OOOError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
 from ._options import WrapOptions
 from ._plan import Plan, plan, plural
 from ._profiling import ProfiledScheduler
 from ._scheduler import Scheduler
-from ._serialize import deepcopy_wrapped, reduce_wrapped, refuse_shallow_copy, restore
+from ._serialize import deepcopy_wrapped, reduce_wrapped
 from ._stats import Counters, OOOStats
 
 __all__ = ["OOOModule", "events_for", "unwrap"]
@@ -166,11 +166,14 @@ class OOOModule(nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
         return deepcopy_wrapped(self, _state(self), memo, _rewrap)
 
-    def __copy__(self) -> nn.Module:
-        return refuse_shallow_copy(self)
+    def __copy__(self) -> NoReturn:
+        raise OOOError(
+            f"copy.copy of a wrapped {type(self).__name__} would share its stages, and so its "
+            "hooks, with the original; use copy.deepcopy(model), or ooo_wrap.unwrap(model) first"
+        )
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        return reduce_wrapped(self, _state(self), _restore)
+        return reduce_wrapped(self, _state(self), _rewrap)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -233,11 +236,6 @@ def _rewrap(model: nn.Module, options: WrapOptions) -> _WrapState | None:
     """Wrap a copy as ``options`` say: its wrap state, or ``None`` if it fell back."""
     _wrap(model, options)
     return _wrapped.get(model)
-
-
-def _restore(model: nn.Module, payload: Any) -> None:
-    """pickle's state setter for a wrapped model (named in every pickle of one)."""
-    restore(model, payload, _rewrap)
 
 
 def _state(model: nn.Module) -> _WrapState:
