@@ -87,8 +87,8 @@ def _collect(
 def named_tensors(value: Any, name: str) -> list[tuple[str, torch.Tensor]]:
     """Every tensor in ``value`` with a path such as ``output[0]['logits']``.
 
-    PyTorch's pytree walks the containers and spells the path; a dataclass, which pytree
-    leaves whole unless registered, is opened here field by field.
+    PyTorch's pytree walks the containers it knows and spells the path; a dataclass or
+    another mapping, which pytree leaves whole unless registered, is opened here.
     """
     found: list[tuple[str, torch.Tensor]] = []
     for path, leaf in _pytree.tree_flatten_with_path(value)[0]:
@@ -98,6 +98,9 @@ def named_tensors(value: Any, name: str) -> list[tuple[str, torch.Tensor]]:
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             for field in dataclasses.fields(leaf):
                 found += named_tensors(getattr(leaf, field.name), f"{where}.{field.name}")
+        elif isinstance(leaf, Mapping):
+            for key, item in leaf.items():
+                found += named_tensors(item, f"{where}[{key!r}]")
     return found
 
 
