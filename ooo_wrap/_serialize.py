@@ -174,7 +174,7 @@ def _plain_view(
 
 
 def _new_instance(cls: type[nn.Module]) -> nn.Module:
-    """An empty instance of the original class; its state is set by :func:`restore`."""
+    """An empty instance of the original class; its state is set by :func:`_restore`."""
     return cls.__new__(cls)
 
 
@@ -234,8 +234,10 @@ def _rekey_loaded_hooks(model: nn.Module) -> None:
         dicts = [v for k, v in attributes if k[:1] == "_" and "_hooks" in k and isinstance(v, dict)]
         first_unused = RemovableHandle.next_id
         loaded = sorted({k for d in dicts for k in d if type(k) is int and k >= first_unused})
+        if not loaded:
+            continue
         fresh = {old: RemovableHandle(dicts[0]).id for old in loaded}
-        for hooks in dicts if fresh else ():
+        for hooks in dicts:
             items = list(hooks.items())
             hooks.clear()
             hooks.update((fresh.get(key, key), value) for key, value in items)
