@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ._errors import OOOConfigError, OOOError, did_you_mean, positive_int
+from ._errors import OOOError, did_you_mean, positive_int
 from ._plan import plan
 from ._wrap import unwrap
 
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "ooo-wrap") -> int:
         return done.code if isinstance(done.code, int) else EXIT_USAGE
     try:
         status: int = args.run(args)
-    except (UsageError, OOOConfigError) as error:  # OOOConfigError: positive_int
+    except (UsageError, OOOError) as error:  # bad options the library refused
         print(f"{prog}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     return status
@@ -136,10 +136,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     model = load_model(args.factory)
-    try:
-        the_plan = plan(model, args.streams, stages=args.stages)
-    except OOOError as error:
-        raise UsageError(error) from None
+    the_plan = plan(model, args.streams, stages=args.stages)
     print(the_plan)
     if len(the_plan.stages) < 2:
         print("note: fewer than two stages, so OOOModule(model) leaves this model untouched")
