@@ -14,12 +14,11 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
-from ._errors import OOOError, did_you_mean
+from ._errors import OOOError, did_you_mean, positive_int
 from ._plan import plan
 from ._wrap import unwrap
 
@@ -58,7 +57,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "ooo-wrap") -> int:
         return done.code if isinstance(done.code, int) else EXIT_USAGE
     try:
         status: int = args.run(args)
-    except UsageError as error:
+    except (UsageError, OOOError) as error:  # bad options the library refused
         print(f"{prog}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     return status
@@ -137,10 +136,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     model = load_model(args.factory)
-    try:
-        the_plan = plan(model, args.streams, stages=args.stages)
-    except OOOError as error:
-        raise UsageError(error) from None
+    the_plan = plan(model, args.streams, stages=args.stages)
     print(the_plan)
     if len(the_plan.stages) < 2:
         print("note: fewer than two stages, so OOOModule(model) leaves this model untouched")
@@ -150,15 +146,11 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _run_check(args: argparse.Namespace) -> int:
     shapes = [parse_shape(text) for text in args.inputs]
     dtypes = _dtypes_for(args.dtypes or ["float32"], len(shapes))
-    if args.int_high is not None and args.int_high < 1:
-        raise UsageError(f"--int-high must be a positive int, got {args.int_high}")
-    if args.steps < 1:
-        raise UsageError(f"--steps must be a positive int, got {args.steps}")
+    for flag, value in (("--int-high", args.int_high), ("--steps", args.steps)):
+        if value is not None:
+            positive_int(value, flag)
     from . import testing  # lazily: the checker is only needed by this command
 
-    check = getattr(testing, "check", None)
-    if check is None:
-        raise UsageError("this ooo_wrap has no race checker (ooo_wrap.testing.check)")
     torch.manual_seed(args.seed)
     model = load_model(args.factory).cpu()
     high = args.int_high if args.int_high is not None else default_int_high(model)
@@ -166,7 +158,7 @@ def _run_check(args: argparse.Namespace) -> int:
     pairs = zip(shapes, dtypes, strict=True)
     inputs = [_random(shape, dtype, high, generator) for shape, dtype in pairs]
     try:
-        report: Any = check(
+        report = testing.check(
             model, *inputs, streams=args.streams, stages=args.stages, steps=args.steps
         )
     except OOOError as error:

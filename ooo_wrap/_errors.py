@@ -8,7 +8,7 @@ import os
 import warnings
 from collections.abc import Iterable
 
-__all__ = ["OOOConfigError", "OOOError", "did_you_mean", "warn_user"]
+__all__ = ["OOOConfigError", "OOOError", "did_you_mean", "positive_int", "warn_user"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -25,6 +25,14 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """Return ``"; did you mean 'x'?"`` for the closest candidate, or ``""``."""
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def positive_int(value: object, where: str, hint: str = "") -> int:
+    """Return ``value`` if it is a positive int (not a bool), else raise
+    :class:`OOOConfigError` naming ``where``; the one such check in the package."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OOOConfigError(f"{where} must be a positive int{hint}, got {value!r}")
+    return value
 
 
 def warn_user(message: str) -> None:

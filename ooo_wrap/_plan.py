@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ._errors import OOOConfigError, did_you_mean
+from ._errors import OOOConfigError, did_you_mean, positive_int
 
 __all__ = ["Plan", "Stage", "as_stage_names", "check_streams", "plan", "plural"]
 
@@ -89,12 +89,7 @@ def plural(count: int, noun: str, suffix: str = "s") -> str:
 
 def check_streams(streams: object, where: str = "streams") -> int:
     """Return ``streams`` if it is a positive int, else raise :class:`OOOConfigError`."""
-    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
-        raise OOOConfigError(
-            f"{where} must be a positive int (the most side streams to use), got {streams!r}; "
-            "pass e.g. 4"
-        )
-    return streams
+    return positive_int(streams, where, " (the most side streams to use, e.g. 4)")
 
 
 def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = None) -> Plan:

@@ -14,12 +14,7 @@ from torch import nn
 
 from ._scheduler import Scheduler, _StageRuntime
 
-__all__ = ["ProfiledScheduler", "range_name"]
-
-
-def range_name(stage: str) -> str:
-    """The profiler range name of the stage with dotted name ``stage``."""
-    return f"ooo/{stage}"
+__all__ = ["ProfiledScheduler"]
 
 
 class ProfiledScheduler(Scheduler):
@@ -43,7 +38,7 @@ class ProfiledScheduler(Scheduler):
         super()._stage_pre_hook(stage, module, args, kwargs)
         if len(frames) == depth:
             return  # another wrapped model's call of a module shared with it: no range
-        profile_range = torch.profiler.record_function(range_name(stage.name))
+        profile_range = torch.profiler.record_function(f"ooo/{stage.name}")
         profile_range.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
         frames[-1].profile_range = profile_range  # the frame just pushed
 

@@ -23,10 +23,11 @@ hook added to a stage after wrapping still runs after the wrapper's, on the call
 from __future__ import annotations
 
 import copy
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -34,9 +35,15 @@ from torch.utils.hooks import RemovableHandle
 from ._errors import OOOError
 from ._events import EventKind, OOOEvent
 from ._options import WrapOptions
-from ._wrap import _wrap, _wrapped, _WrapState
 
-__all__ = ["deepcopy_wrapped", "reduce_wrapped", "refuse_shallow_copy"]
+if TYPE_CHECKING:  # for annotations only: _wrap imports this module, never the reverse
+    from ._wrap import _WrapState
+
+# Wraps a model as the options say; returns its wrap state, or None if it fell back.
+# Passed in by _wrap (which sits above this module), so that neither imports the other.
+Rewrap = Callable[[nn.Module, WrapOptions], "_WrapState | None"]
+
+__all__ = ["deepcopy_wrapped", "reduce_wrapped"]
 
 Hooks = dict[Any, Any]  # a module's hook dict (an OrderedDict), keyed by hook id
 
@@ -47,13 +54,16 @@ class _WrapperHook:
     ``index`` (in install order); the new wrapper's hook of that index takes the place.
 
     Part of the pickle format of wrapped models, with :func:`_new_instance`,
-    :func:`_restore` and ``WrapOptions``: renaming them breaks loading older pickles.
+    :func:`_restore`, ``ooo_wrap._wrap._rewrap`` and ``WrapOptions``: renaming them
+    breaks loading older pickles.
     """
 
     index: int
 
 
-def deepcopy_wrapped(model: nn.Module, state: _WrapState, memo: dict[int, Any]) -> nn.Module:
+def deepcopy_wrapped(
+    model: nn.Module, state: _WrapState, memo: dict[int, Any], rewrap: Rewrap
+) -> nn.Module:
     """``copy.deepcopy`` of a wrapped model: a plain deep copy, wrapped with the same options."""
     for index, handle in enumerate(state.handles):
         hooks = handle.hooks_dict_ref()
@@ -72,6 +82,7 @@ def deepcopy_wrapped(model: nn.Module, state: _WrapState, memo: dict[int, Any]) 
     _wrap_again(
         clone,
         state.options,
+        rewrap,
         "deepcopy",
         "a deep copy of a wrapped model, wrapped again with the same options: its own "
         "hooks, streams, events and stats (the original's stay with the original)",
@@ -79,8 +90,9 @@ def deepcopy_wrapped(model: nn.Module, state: _WrapState, memo: dict[int, Any]) 
     return clone
 
 
-def reduce_wrapped(model: nn.Module, state: _WrapState) -> tuple[Any, ...]:
-    """``__reduce_ex__`` of a wrapped model: rebuild the plain model, then wrap it again."""
+def reduce_wrapped(model: nn.Module, state: _WrapState, rewrap: Rewrap) -> tuple[Any, ...]:
+    """``__reduce_ex__`` of a wrapped model: rebuild the plain model, then wrap it again
+    (``rewrap`` is pickled by name, as a module-level function)."""
     plain_state = model.__getstate__()  # type: ignore[no-untyped-call]  # untyped in torch
     if not isinstance(plain_state, dict):
         raise OOOError(
@@ -103,15 +115,8 @@ def reduce_wrapped(model: nn.Module, state: _WrapState) -> tuple[Any, ...]:
     payload = (_plain_copy_of(plain_state, ours, on_paths, views), state.options)
     # The 6th item (state_setter) runs after the state is loaded: the model is rebuilt
     # first, so references back to it inside its own state resolve to the new object.
-    return (_new_instance, (state.original_class,), payload, None, None, _restore)
-
-
-def refuse_shallow_copy(model: nn.Module) -> NoReturn:
-    """``copy.copy`` of a wrapped model: refused, it would share the original's hooks."""
-    raise OOOError(
-        f"copy.copy of a wrapped {type(model).__name__} would share its stages, and so its "
-        "hooks, with the original; use copy.deepcopy(model), or ooo_wrap.unwrap(model) first"
-    )
+    restore = functools.partial(_restore, rewrap=rewrap)
+    return (_new_instance, (state.original_class,), payload, None, None, restore)
 
 
 def _extra_entries(handles: list[RemovableHandle]) -> Iterator[tuple[Hooks, int]]:
@@ -173,25 +178,27 @@ def _new_instance(cls: type[nn.Module]) -> nn.Module:
     return cls.__new__(cls)
 
 
-def _restore(model: nn.Module, payload: tuple[dict[str, Any], WrapOptions]) -> None:
+def _restore(model: nn.Module, payload: tuple[dict[str, Any], WrapOptions], rewrap: Rewrap) -> None:
     """Load the plain state into ``model`` and wrap it again (or let it fall back)."""
     plain_state, options = payload
     model.__setstate__(plain_state)  # type: ignore[no-untyped-call]  # untyped in torch
     _wrap_again(
         model,
         options,
+        rewrap,
         "unpickled",
         "loaded from a pickle of a wrapped model and wrapped again with the same options",
     )
 
 
-def _wrap_again(model: nn.Module, options: WrapOptions, reason: str, message: str) -> None:
+def _wrap_again(
+    model: nn.Module, options: WrapOptions, rewrap: Rewrap, reason: str, message: str
+) -> None:
     """Take the markers out, wrap ``model`` as ``options`` say, put the new hooks in the
     markers' places and note where the model came from; or leave it plain (a fallback)."""
+    _rekey_loaded_hooks(model)
     marked = _take_markers(model)
-    _skip_loaded_hook_ids(model)
-    _wrap(model, options)
-    state = _wrapped.get(model)
+    state = rewrap(model, options)
     if state is None:
         return
     for hooks, order in marked:
@@ -213,18 +220,27 @@ def _take_markers(model: nn.Module) -> list[tuple[Hooks, list[Any]]]:
     return marked
 
 
-def _skip_loaded_hook_ids(model: nn.Module) -> None:
-    """Move the hook id counter past every id in ``model``'s dicts.
+def _rekey_loaded_hooks(model: nn.Module) -> None:
+    """Give every loaded hook whose id this process may still hand out a fresh id.
 
-    Unpickling in a fresh process brings hook ids the counter there never handed out; a
-    new hook could get one of them and silently replace a user hook in the same dict.
+    Unpickling in a fresh process brings hook ids its counter never handed out; a new hook
+    could get one of them and silently replace a user hook in the same dict. Fresh ids are
+    drawn as each hook registration draws one (a ``RemovableHandle``): torch's counter only
+    ever moves the ordinary way. Each id is renamed in all of the module's hook dicts
+    together (``with_kwargs`` and ``always_call`` share the hook's id); order is kept.
     """
-    highest = -1
     for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, dict):
-                highest = max(highest, max((k for k in value if type(k) is int), default=-1))
-    RemovableHandle.next_id = max(RemovableHandle.next_id, highest + 1)
+        attributes = vars(module).items()
+        dicts = [v for k, v in attributes if k[:1] == "_" and "_hooks" in k and isinstance(v, dict)]
+        first_unused = RemovableHandle.next_id
+        loaded = sorted({k for d in dicts for k in d if type(k) is int and k >= first_unused})
+        if not loaded:
+            continue
+        fresh = {old: RemovableHandle(dicts[0]).id for old in loaded}
+        for hooks in dicts:
+            items = list(hooks.items())
+            hooks.clear()
+            hooks.update((fresh.get(key, key), value) for key, value in items)
 
 
 def _reorder(hooks: Hooks, order: list[Any], handles: list[RemovableHandle]) -> None:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 # PyTorch has no public pytree module; torch.utils._pytree is what torch.compile, FSDP and
 # torch.export use to walk containers, and the only registry of user container types
-# (register_pytree_node). Used here only to flatten one level of a registered type.
+# (register_pytree_node). This file is the only one in ooo_wrap that imports it.
 from torch.utils import _pytree
 
-__all__ = ["storage_tensor", "tensors_in"]
+__all__ = ["map_leaves", "named_tensors", "storage_tensor", "tensors_in"]
 
 _Tensor = torch.Tensor
 # Values that hold no tensor: never searched, never reported.
@@ -82,6 +82,31 @@ def _collect(
                 _collect(item, found, unseen, depth - 1, seen)
         elif unseen is not None:
             unseen.append(type(value).__name__)
+
+
+def named_tensors(value: Any, name: str) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in ``value`` with a path such as ``output[0]['logits']``.
+
+    PyTorch's pytree walks the containers it knows and spells the path; a dataclass or
+    another mapping, which pytree leaves whole unless registered, is opened here.
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    for path, leaf in _pytree.tree_flatten_with_path(value)[0]:
+        where = name + _pytree.keystr(path)
+        if isinstance(leaf, torch.Tensor):
+            found.append((where, leaf))
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for field in dataclasses.fields(leaf):
+                found += named_tensors(getattr(leaf, field.name), f"{where}.{field.name}")
+        elif isinstance(leaf, Mapping):
+            for key, item in leaf.items():
+                found += named_tensors(item, f"{where}[{key!r}]")
+    return found
+
+
+def map_leaves(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to each leaf of its containers, rebuilt alike."""
+    return _pytree.tree_map(fn, value)
 
 
 def storage_tensor(tensor: torch.Tensor) -> torch.Tensor | None:

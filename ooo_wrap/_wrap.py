@@ -7,7 +7,7 @@ import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, SupportsIndex
+from typing import Any, NoReturn, SupportsIndex
 
 import torch
 from torch import nn
@@ -17,12 +17,13 @@ from torch.utils.hooks import RemovableHandle
 from ._backend import AcceleratorBackend, Backend
 from ._classswap import build_original, wrapped_class
 from ._compat import is_compiled_module
-from ._errors import OOOConfigError, warn_user
+from ._errors import OOOConfigError, OOOError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
 from ._options import WrapOptions
 from ._plan import Plan, plan, plural
 from ._profiling import ProfiledScheduler
 from ._scheduler import Scheduler
+from ._serialize import deepcopy_wrapped, reduce_wrapped
 from ._stats import Counters, OOOStats
 
 __all__ = ["OOOModule", "events_for", "unwrap"]
@@ -164,19 +165,16 @@ class OOOModule(nn.Module):
     # the scheduler (thread-local state, streams) is never copied. See _serialize.py.
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
-        from ._serialize import deepcopy_wrapped  # _serialize imports this module
+        return deepcopy_wrapped(self, _state(self), memo, _rewrap)
 
-        return deepcopy_wrapped(self, _state(self), memo)
-
-    def __copy__(self) -> nn.Module:
-        from ._serialize import refuse_shallow_copy
-
-        return refuse_shallow_copy(self)
+    def __copy__(self) -> NoReturn:
+        raise OOOError(
+            f"copy.copy of a wrapped {type(self).__name__} would share its stages, and so its "
+            "hooks, with the original; use copy.deepcopy(model), or ooo_wrap.unwrap(model) first"
+        )
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        from ._serialize import reduce_wrapped
-
-        return reduce_wrapped(self, _state(self))
+        return reduce_wrapped(self, _state(self), _rewrap)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -233,6 +231,12 @@ def record_fallback(model: nn.Module, reason: str, *, warn: bool = False) -> nn.
     if warn:
         warn_user(f"ooo_wrap: {event.message}")
     return model
+
+
+def _rewrap(model: nn.Module, options: WrapOptions) -> _WrapState | None:
+    """Wrap a copy as ``options`` say: its wrap state, or ``None`` if it fell back."""
+    _wrap(model, options)
+    return _wrapped.get(model)
 
 
 def _state(model: nn.Module) -> _WrapState:

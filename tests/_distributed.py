@@ -19,7 +19,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ooo_wrap.testing import SimulatedBackend
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def rank_device(rank: int, device_type: str) -> tuple[torch.device, SimulatedBackend | None]:
+    """This rank's device, and the backend to wrap with there: virtual streams on the CPU
+    (every rank on the one CPU device), the real accelerator on a GPU (one per rank)."""
+    device = torch.device(device_type, rank if device_type == "cuda" else 0)
+    return device, SimulatedBackend() if device_type == "cpu" else None
+
+
+def assert_same_tensors(
+    a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None], *, none_ok: bool
+) -> None:
+    """Same names, bitwise-equal tensors; ``None`` on both sides only where ``none_ok``."""
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = a[name], b[name]
+        if none_ok:
+            assert (x is None) == (y is None), name
+        else:
+            assert x is not None and y is not None, name
+        assert x is None or y is None or torch.equal(x, y), name
 
 
 def free_port() -> int:

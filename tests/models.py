@@ -6,12 +6,14 @@ seeds its own generator, so two calls build bitwise-identical models and inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from ooo_wrap._tensors import tensors_in
 
 DIM = 6
 
@@ -179,20 +181,9 @@ SHAPES: tuple[Shape, ...] = (
 )
 
 
-def leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors of a nested output, in a fixed order (dict keys sorted)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in leaves(item)]
-    if isinstance(value, Mapping):
-        return [t for key in sorted(value) for t in leaves(value[key])]
-    return []
-
-
 def loss_of(output: Any) -> torch.Tensor:
     """A scalar loss touching every output tensor."""
-    return torch.stack([(t.float() ** 2).mean() for t in leaves(output)]).sum()
+    return torch.stack([(t.float() ** 2).mean() for t in tensors_in(output)]).sum()
 
 
 # --- models for the scheduler, wrapper and fallback tests --------------------------------

@@ -104,13 +104,6 @@ def test_check_reports_a_model_that_fails_in_one_line(fake_check: FakeCheck) -> 
     assert "--input shapes" in result.err
 
 
-def test_check_without_a_race_checker_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delattr(ooo_wrap.testing, "check", raising=False)
-    result = run_cli("check", "examples.quickstart:build_model", "--input", "8x64")
-    assert result.status == 2
-    assert "no race checker" in result.err
-
-
 def test_parse_shape() -> None:
     assert parse_shape("8x64") == (8, 64)
     assert parse_shape("3") == (3,)

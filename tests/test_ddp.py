@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from _distributed import run_ranks
+from _distributed import assert_same_tensors, rank_device, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -75,8 +75,7 @@ def _train(model: nn.Module, mode: str, rank: int, device: torch.device) -> list
 
 
 def _ddp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]:
-    device = torch.device(device_type, rank if device_type == "cuda" else 0)
-    backend = SimulatedBackend() if device_type == "cpu" else None
+    device, backend = rank_device(rank, device_type)
     results: dict[str, Any] = {"stream_mismatch_warnings": []}
     for mode in MODES:
         torch.manual_seed(0)
@@ -110,14 +109,6 @@ def ranks() -> list[dict[str, Any]]:
     return run_ranks(_ddp_worker, "cpu", world_size=2, timeout=60)
 
 
-def _assert_same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        x, y = a[name], b[name]
-        assert (x is None) == (y is None), name
-        assert x is None or y is None or torch.equal(x, y), name
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 def test_wrapped_ddp_gradients_match_plain_ddp_bitwise(
     ranks: list[dict[str, Any]], mode: str
@@ -125,8 +116,8 @@ def test_wrapped_ddp_gradients_match_plain_ddp_bitwise(
     for rank_results in ranks:
         runs = rank_results[mode]
         for wrapped_step, plain_step in zip(runs["wrapped"], runs["plain"], strict=True):
-            _assert_same(wrapped_step["grads"], plain_step["grads"])
-            _assert_same(wrapped_step["params"], plain_step["params"])
+            assert_same_tensors(wrapped_step["grads"], plain_step["grads"], none_ok=True)
+            assert_same_tensors(wrapped_step["params"], plain_step["params"], none_ok=True)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -135,8 +126,8 @@ def test_wrapped_ddp_gradients_identical_on_both_ranks(
 ) -> None:
     first, second = ranks[0][mode]["wrapped"], ranks[1][mode]["wrapped"]
     for step_0, step_1 in zip(first, second, strict=True):
-        _assert_same(step_0["grads"], step_1["grads"])
-        _assert_same(step_0["params"], step_1["params"])
+        assert_same_tensors(step_0["grads"], step_1["grads"], none_ok=True)
+        assert_same_tensors(step_0["params"], step_1["params"], none_ok=True)
     # The ranks saw different data, so identical gradients come from DDP's all-reduce.
     assert any(g is not None and g.abs().sum() > 0 for g in first[0]["grads"].values())
 

@@ -15,7 +15,6 @@ from models import (
     TwoTowers,
     hook_count,
     hook_snapshot,
-    leaves,
     loss_of,
     make_two_towers,
     two_tower_input,
@@ -25,6 +24,7 @@ from torch import nn
 import ooo_wrap
 from ooo_wrap import EventKind, OOOEvent, OOOModule
 from ooo_wrap._backend import AcceleratorBackend
+from ooo_wrap._tensors import tensors_in
 from ooo_wrap.testing import SimulatedBackend, VirtualStream
 
 # torch.compile and torch.jit.script emit TorchScript deprecation notices of their own.
@@ -45,7 +45,7 @@ def assert_untouched(model: nn.Module, cls: type[nn.Module], hooks: dict[str, An
 def assert_trains_like(model: nn.Module, plain: nn.Module, x: torch.Tensor) -> None:
     """Forward and backward give bitwise the plain model's outputs and gradients."""
     out, want = model(x), plain(x)
-    for a, b in zip(leaves(out), leaves(want), strict=True):
+    for a, b in zip(tensors_in(out), tensors_in(want), strict=True):
         assert torch.equal(a, b)
     loss_of(out).backward()
     loss_of(want).backward()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _distributed import run_ranks
+from _distributed import assert_same_tensors, rank_device, run_ranks
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -136,8 +136,7 @@ def _watch(
 
 
 def _fsdp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]:
-    device = torch.device(device_type, rank if device_type == "cuda" else 0)
-    backend = SimulatedBackend() if device_type == "cpu" else None
+    device, backend = rank_device(rank, device_type)
     spy = _HookStreams(device) if backend is not None else None
     results: dict[str, Any] = {}
     for order, (shard_first, shard) in ORDERS.items():
@@ -171,14 +170,6 @@ def _fsdp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]
     return results
 
 
-def _assert_same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        x, y = a[name], b[name]
-        assert x is not None and y is not None, name
-        assert torch.equal(x, y), name
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     return run_ranks(_fsdp_worker, "cpu", world_size=2, timeout=60)
@@ -189,12 +180,12 @@ def test_fsdp_order_matches_plain_fsdp_bitwise(ranks: list[dict[str, Any]], orde
     for rank_results in ranks:
         result = rank_results[order]
         for wrapped_step, plain_step in zip(result["wrapped"], result["plain"], strict=True):
-            _assert_same(wrapped_step["grads"], plain_step["grads"])
-            _assert_same(wrapped_step["params"], plain_step["params"])
+            assert_same_tensors(wrapped_step["grads"], plain_step["grads"], none_ok=False)
+            assert_same_tensors(wrapped_step["params"], plain_step["params"], none_ok=False)
     # Reduce-scattered gradients: both ranks end with the same full gradients and weights.
     for step_0, step_1 in zip(ranks[0][order]["wrapped"], ranks[1][order]["wrapped"], strict=True):
-        _assert_same(step_0["grads"], step_1["grads"])
-        _assert_same(step_0["params"], step_1["params"])
+        assert_same_tensors(step_0["grads"], step_1["grads"], none_ok=False)
+        assert_same_tensors(step_0["params"], step_1["params"], none_ok=False)
 
 
 @pytest.mark.parametrize("order", list(ORDERS))

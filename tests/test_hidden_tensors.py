@@ -7,6 +7,7 @@ allocator hazard on a GPU, which the race checker reports.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import types
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import EventKind
+from ooo_wrap._tensors import map_leaves, named_tensors
 from ooo_wrap.testing import SimulatedBackend, check
 
 
@@ -125,3 +127,27 @@ def test_an_output_the_hooks_cannot_see_into_is_reported_once() -> None:
         ("merge", "Holder", 1),
     ]
     assert "record_stream" in untracked[0].message
+
+
+def test_named_tensors_spells_each_path() -> None:
+    t = torch.ones(1)
+    pair = collections.namedtuple("pair", "a b")
+    value = (t, {"sum": types.MappingProxyType({"x": [t]})}, pair(t, 1), _Holder(t))
+    names = [name for name, _ in named_tensors(value, "output")]
+    assert names == [
+        "output[0]",
+        "output[1]['sum']['x'][0]",
+        "output[2].a",
+        "output[3].tensor",
+    ]
+
+
+def test_map_leaves_rebuilds_the_containers() -> None:
+    pair = collections.namedtuple("pair", "a b")
+    value = {"k": [1, pair(2, (3,))]}
+    assert map_leaves(lambda x: x * 10, value) == {"k": [10, pair(20, (30,))]}
+
+
+@dataclasses.dataclass
+class _Holder:
+    tensor: torch.Tensor

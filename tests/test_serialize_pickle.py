@@ -200,6 +200,25 @@ def test_loaded_hook_ids_are_not_handed_out_again(monkeypatch: pytest.MonkeyPatc
     assert hook_layout(loaded)[0] == ("", "_forward_pre_hooks", ["ooo", "pre"])
 
 
+def test_loading_moves_the_hook_counter_only_as_registering_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plain = Towers()
+    plain.pre = Recorder("pre")
+    monkeypatch.setattr(RemovableHandle, "next_id", 1000)
+    plain.register_forward_pre_hook(plain.pre)
+    data = pickle.dumps(ooo_wrap.OOOModule(plain, backend=SimulatedBackend()))
+    monkeypatch.setattr(RemovableHandle, "next_id", 5)  # a fresh process, ids 5 and up free
+    loaded = pickle.loads(data)
+    # One fresh id per loaded hook and per wrapper hook: never a jump past the loaded ids.
+    assert RemovableHandle.next_id < 1000
+    later = Recorder("later")
+    loaded.register_forward_pre_hook(later)
+    loaded(torch.randn(2, 8))
+    assert (loaded.pre.calls, later.calls) == (1, 1)
+    assert hook_layout(loaded)[0] == ("", "_forward_pre_hooks", ["ooo", "pre", "later"])
+
+
 LOAD_IN_A_FRESH_PROCESS = """
 import sys
 import torch

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._errors import OOOConfigError
+from .._errors import OOOConfigError, positive_int
+from .._tensors import map_leaves, named_tensors
 from .._wrap import OOOModule, events_for
 from ._detect import DetectingBackend, Detection, detect
 from ._engine import CHECKED_TORCH
@@ -74,8 +74,7 @@ def check(
             f"check() takes the plain model, but this {type(model).__name__} is wrapped; "
             "check it before wrapping, or pass ooo_wrap.unwrap(model)"
         )
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise OOOConfigError(f"steps must be a positive int, got {steps!r}")
+    positive_int(steps, "steps")
     backend = DetectingBackend()
     model = _materialized(model, inputs)
     wrapped = OOOModule(copy.deepcopy(model), streams, stages=stages, backend=backend)
@@ -168,7 +167,7 @@ def _train(
                     _sgd(params)
             else:
                 _sgd(params)
-            outputs = {name: t.detach() for name, t in _named_tensors(output, "output")}
+            outputs = {name: t.detach() for name, t in named_tensors(output, "output")}
             results.append((outputs, {f"grad:{n}": g for n, g in grads.items()}))
             del output, loss  # drop the graph, so the next step makes fresh nodes
     return results
@@ -184,7 +183,7 @@ def _sgd(params: list[tuple[str, nn.Parameter]]) -> None:
 
 
 def _default_loss(output: Any) -> torch.Tensor:
-    terms = [t.sum() for _, t in _named_tensors(output, "output") if t.is_floating_point()]
+    terms = [t.sum() for _, t in named_tensors(output, "output") if t.is_floating_point()]
     terms = [t for t in terms if t.requires_grad]
     if not terms:
         raise OOOConfigError(
@@ -194,33 +193,14 @@ def _default_loss(output: Any) -> torch.Tensor:
     return functools.reduce(torch.add, terms)
 
 
-def _named_tensors(value: Any, name: str) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor in ``value`` with a path such as ``output[0]['logits']``."""
-    if isinstance(value, torch.Tensor):
-        return [(name, value)]
-    found: list[tuple[str, torch.Tensor]] = []
-    if isinstance(value, (tuple, list)):
-        for index, item in enumerate(value):
-            found += _named_tensors(item, f"{name}[{index}]")
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            found += _named_tensors(item, f"{name}[{key!r}]")
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            found += _named_tensors(getattr(value, field.name), f"{name}.{field.name}")
-    return found
-
-
 def _fresh(value: Any) -> Any:
     """A copy of the inputs whose tensors are new leaves, so no run touches the caller's."""
+    return map_leaves(_fresh_leaf, value)
+
+
+def _fresh_leaf(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone().requires_grad_(value.requires_grad)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_fresh(item) for item in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_fresh(item) for item in value)
-    if isinstance(value, dict):
-        return {key: _fresh(item) for key, item in value.items()}
     return copy.deepcopy(value)
 
 

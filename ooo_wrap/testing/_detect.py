@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from .._cost import estimate_op
+from .._tensors import tensors_in
 from ._engine import EngineModel
 from ._intercept import OpInterceptor, intercept_new_threads
-from ._ops import TensorUse, is_view_only, storage_key, tensor_uses, tensors_of, written_keys
+from ._ops import TensorUse, is_view_only, storage_key, tensor_uses, written_keys
 from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
 from ._tracker import Access, AllocatorHazard, Clock, OpRecord, Phase, Race, StreamTracker
 
@@ -166,42 +167,29 @@ class Detection:
         before: list[int | None] | None,
     ) -> None:
         with self._lock:
-            self._on_op_locked(func, args, kwargs, out, before)
-
-    def _on_op_locked(
-        self,
-        func: torch._ops.OpOverload,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        out: Any,
-        before: list[int | None] | None,
-    ) -> None:
-        self._engine.catch_up()
-        if is_view_only(func):
-            # No kernel, no access: only the autograd node it may create matters.
-            self._engine.created(list(tensors_of(out)), self.stream_now(), self._stage_now())
-            return
-        uses = tensor_uses(func, args, kwargs, out, before)
-        consumer = self._engine.accumulation_target(u.key for u in uses if not u.fresh)
-        if consumer is not None:
-            stream, stage = consumer.stream, consumer.stage
-        else:
-            stream, stage = self.stream_now(), self._stage_now()
-        cost = estimate_op(func, args, kwargs, out).device_us
-        self._record(str(func), stream, stage, uses, cost)
-        self._engine.created(list(tensors_of(out)), stream, stage)
+            self._engine.catch_up()
+            if is_view_only(func):
+                # No kernel, no access: only the autograd node it may create matters.
+                self._engine.created(tensors_in(out), self.stream_now(), self._stage_now())
+                return
+            uses = tensor_uses(func, args, kwargs, out, before)
+            consumer = self._engine.accumulation_target(u.key for u in uses if not u.fresh)
+            if consumer is not None:
+                stream, stage = consumer.stream, consumer.stage
+            else:
+                stream, stage = self.stream_now(), self._stage_now()
+            cost = estimate_op(func, args, kwargs, out).device_us
+            self._record(str(func), stream, stage, uses, cost)
+            self._engine.created(tensors_in(out), stream, stage)
 
     def _host_read(self, tensor: torch.Tensor) -> None:
         with self._lock:
-            self._host_read_locked(tensor)
-
-    def _host_read_locked(self, tensor: torch.Tensor) -> None:
-        self._engine.flush()
-        key = storage_key(tensor)
-        uses = [] if key is None else [TensorUse(tensor, key, is_write=False, fresh=False)]
-        # The device-to-host copy, costed as the copy op it is.
-        cost = estimate_op(torch.ops.aten._to_copy.default, (tensor,), {}, tensor).device_us
-        self._record("host_read", self.stream_now(), self._stage_now(), uses, cost)
+            self._engine.flush()
+            key = storage_key(tensor)
+            uses = [] if key is None else [TensorUse(tensor, key, is_write=False, fresh=False)]
+            # The device-to-host copy, costed as the copy op it is.
+            cost = estimate_op(torch.ops.aten._to_copy.default, (tensor,), {}, tensor).device_us
+            self._record("host_read", self.stream_now(), self._stage_now(), uses, cost)
 
     def _stage_now(self) -> str | None:
         if self._engine.in_backward:

@@ -60,7 +60,11 @@ _TAG = "ooo_wrap.testing.stream"
 
 
 class EngineHost(Protocol):
-    """What the engine model needs from the detection that owns it."""
+    """What the engine model needs from the detection that owns it.
+
+    Its one implementation is ``_detect.Detection``, which imports this module: a protocol
+    here, rather than that class, keeps the import one-way (and says how little is used).
+    """
 
     tracker: StreamTracker
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .._tensors import tensors_in
 
 __all__ = [
     "TensorUse",
@@ -14,7 +16,6 @@ __all__ = [
     "is_view_only",
     "storage_key",
     "tensor_uses",
-    "tensors_of",
     "unwrap",
     "written_keys",
 ]
@@ -89,16 +90,6 @@ def storage_key(tensor: torch.Tensor) -> int | None:
     return int(storage.data_ptr())
 
 
-def tensors_of(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in an op argument or result: a tensor, or a list or tuple of them."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            if isinstance(item, torch.Tensor):
-                yield item
-
-
 def is_view_only(func: torch._ops.OpOverload) -> bool:
     """Whether ``func`` only makes a view: no kernel, no allocation."""
     return func.is_view and func._schema.name != _LIFT
@@ -124,7 +115,7 @@ def _written(
     for index, argument in enumerate(func._schema.arguments):
         alias = argument.alias_info
         if alias is not None and alias.is_write:
-            written += tensors_of(_argument(index, argument.name, args, kwargs))
+            written += tensors_in(_argument(index, argument.name, args, kwargs))
     return written
 
 
@@ -144,7 +135,7 @@ def tensor_uses(
     written arguments got new memory from the op: those are fresh too.
     """
     if func._schema.name == _LIFT:
-        return [TensorUse(t, k, True, True) for t in tensors_of(out) if (k := storage_key(t))]
+        return [TensorUse(t, k, True, True) for t in tensors_in(out) if (k := storage_key(t))]
     if func.is_view:
         return []
     uses: list[TensorUse] = []
@@ -163,12 +154,12 @@ def tensor_uses(
             continue
         alias = argument.alias_info
         is_write = (alias is not None and alias.is_write) or index in hidden
-        for tensor in tensors_of(value):
+        for tensor in tensors_in(value):
             key = storage_key(tensor)
             if key is not None:
                 seen.add(key)
                 uses.append(TensorUse(tensor, key, is_write, fresh=False))
-    for tensor in tensors_of(out):
+    for tensor in tensors_in(out):
         key = storage_key(tensor)
         if key is not None and key not in seen:
             seen.add(key)
