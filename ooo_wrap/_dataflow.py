@@ -85,7 +85,8 @@ class LearnedPlan:
 
     Attributes:
         stages: the stages in order of first call.
-        regions: every parallel region found, with its branches and their streams.
+        regions: every parallel region found, with its branches and their streams (empty
+            for named stages, whose streams come from another rule).
         edges: one per (producer call, consumer call) pair of stages, in program order.
         max_streams: the ``streams`` asked for.
         outcome: ``"parallel"``; ``"no_parallelism"`` when no region was found (nothing to
@@ -191,7 +192,7 @@ def learn(
         replace(
             region,
             branches=tuple(
-                replace(b, stream=None if b.stream is None else renumber.get(b.stream, b.stream))
+                replace(b, stream=None if b.stream is None else renumber.get(b.stream))
                 for b in region.branches
             ),
         )
@@ -200,7 +201,7 @@ def learn(
     stage_calls = sum(stage.calls for stage in learned)
     return LearnedPlan(
         stages=learned,
-        regions=regions if outcome != "named" else tuple(walk.regions),
+        regions=regions if outcome != "named" else (),
         edges=tuple(_edges(record, stream_of, walk.lanes)),
         max_streams=max_streams,
         outcome=outcome,

@@ -180,3 +180,43 @@ def test_the_table_labels_estimates_with_the_reference_gpu(
     assert "region blocks.0 (width 4)" in text and "blocks.0.pool" in text
     assert learned.plan_step_us is not None and learned.plan_step_us < learned.step_us
     assert learned.fork_join_us == H200.fork_join_us * len(learned.stages)
+
+
+class InceptionTowers(nn.Module):
+    """Three towers on one input, each an Inception block: regions inside a region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.towers = nn.ModuleList(models.InceptionBlock(64, 64) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((tower(x).mean((2, 3)) for tower in self.towers), torch.zeros(()))
+
+
+def test_a_region_inside_a_branch_avoids_the_streams_of_concurrent_branches() -> None:
+    model = InceptionTowers().to("meta")
+    x = torch.empty(32, 64, 56, 56, device="meta")
+    learned = learn_plan(model, (x,), streams=12)
+    outer, *inner = learned.regions
+    assert outer.name == "<root>" and len(inner) == 3
+    towers = {b.calls[0].split(".")[1]: b.stream for b in outer.branches}
+    for region in inner:
+        tower = region.name.split(".")[1]
+        mine = {b.stream for b in region.branches}
+        assert towers[tower] in mine  # the heaviest inner branch stays on the tower's stream
+        others = {s for t, s in towers.items() if t != tower}
+        assert not mine & others  # no inner branch on a concurrent tower's stream
+    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+
+
+def test_named_convolutions_stay_on_their_branch_stream_unlike_round_robin() -> None:
+    model = models.Inception(blocks=2).to("meta")
+    names = [
+        f"blocks.{block}.{name}"
+        for block in range(2)
+        for name in ("b1", "b2", "b2_conv", "b3_reduce", "b3_a", "b3_b", "pool")
+    ]
+    learned = learn_plan(model, (models.inception_input(),), streams=4, stages=names)
+    static = {s.name: s.stream for s in plan(model, 4, stages=names).stages}
+    assert learned.count_edges(static).chain_splits > 0
+    assert learned.count_edges(learned.stage_streams).chain_splits == 0
