@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,16 +17,27 @@ from ooo_wrap._plan import plan
 from ooo_wrap._streams import assign_named
 from tests import dataflow_models as models
 
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]] = {
+    "inception": (lambda: models.Inception().to("meta"), lambda: (models.inception_input(),)),
+    "residual": (models.ResidualChain, lambda: (torch.randn(64, 512),)),
+    "gpt": (models.GPT, lambda: (models.gpt_input(),)),
+    "two_tower": (models.TwoTower, models.two_tower_inputs),
+    "moe": (models.MoE, lambda: (models.moe_input(),)),
+}
 
-@pytest.fixture(scope="module")
+
+@functools.cache
+def learned_case(case: str) -> tuple[nn.Module, LearnedPlan]:
+    """The model of ``case`` and its plan for 4 streams, learned once per test session."""
+    make, inputs = CASES[case]
+    torch.manual_seed(0)
+    model = make()
+    return model, learn_plan(model, inputs(), streams=4)
+
+
+@pytest.fixture
 def inception() -> tuple[nn.Module, LearnedPlan]:
-    model = models.Inception().to("meta")
-    return model, learn_plan(model, (models.inception_input(),), streams=4)
-
-
-def branch_streams(learned: LearnedPlan, region: str) -> list[int | None]:
-    (found,) = [r for r in learned.regions if r.name == region]
-    return [b.stream for b in found.branches]
+    return learned_case("inception")
 
 
 def test_inception_gets_one_region_per_block_with_branches_on_distinct_streams(
@@ -82,21 +94,12 @@ def test_inception_with_fewer_streams_than_branches_balances_and_keeps_chains(
 
 
 @pytest.mark.parametrize(
-    ("make", "inputs", "first", "last"),
-    [
-        (models.ResidualChain, lambda: (torch.randn(64, 512),), "inp", "out"),
-        (models.GPT, lambda: (models.gpt_input(),), None, "head"),
-    ],
-    ids=["residual", "gpt"],
+    ("case", "first", "last"), [("residual", "inp", "out"), ("gpt", None, "head")]
 )
 def test_chains_have_no_parallelism_and_name_their_longest_chain(
-    make: Callable[[], nn.Module],
-    inputs: Callable[[], tuple[Any, ...]],
-    first: str | None,
-    last: str,
+    case: str, first: str | None, last: str
 ) -> None:
-    model = make()
-    learned = learn_plan(model, inputs())
+    model, learned = learned_case(case)
     assert learned.outcome == "no_parallelism"
     assert learned.stages == () and learned.regions == () and learned.edges == ()
     assert learned.longest_chain[-1] == last
@@ -105,12 +108,10 @@ def test_chains_have_no_parallelism_and_name_their_longest_chain(
         assert learned.longest_chain[0] == first
     assert "nothing to overlap; longest chain:" in str(learned)
     assert learned.to_plan(model).stages == ()
-    static = {s.name: s.stream for s in plan(model, 4).stages}
-    assert learned.count_edges(static).chain_splits > 0  # round-robin splits the chain
 
 
 def test_two_towers_get_different_streams_and_keep_their_projections() -> None:
-    learned = learn_plan(models.TwoTower(), models.two_tower_inputs())
+    _, learned = learned_case("two_tower")
     streams = learned.stage_streams
     query = streams.get("query_tower")
     doc = streams.get("doc_tower")
@@ -120,13 +121,10 @@ def test_two_towers_get_different_streams_and_keep_their_projections() -> None:
     assert "embed" not in streams
     assert any(note.startswith("embed runs inline") for note in learned.notes)
     assert learned.count_edges(streams).chain_splits == 0
-    static = {s.name: s.stream for s in plan(models.TwoTower(), 4).stages}
-    assert learned.count_edges(static).chain_splits > 0
 
 
 def test_moe_finds_shared_against_routed_and_the_experts_apart() -> None:
-    torch.manual_seed(0)
-    learned = learn_plan(models.MoE(), (models.moe_input(),))
+    _, learned = learned_case("moe")
     root, experts = learned.regions
     assert root.name == "<root>" and len(root.branches) == 2
     (shared,) = [b for b in root.branches if b.calls == ("shared",)]
@@ -220,3 +218,21 @@ def test_named_convolutions_stay_on_their_branch_stream_unlike_round_robin() -> 
     static = {s.name: s.stream for s in plan(model, 4, stages=names).stages}
     assert learned.count_edges(static).chain_splits > 0
     assert learned.count_edges(learned.stage_streams).chain_splits == 0
+
+
+@pytest.mark.parametrize(
+    ("case", "static_splits"),
+    [("inception", 2), ("residual", 7), ("gpt", 7), ("two_tower", 4), ("moe", 0)],
+)
+def test_learned_plans_split_no_chain_where_round_robin_does(case: str, static_splits: int) -> None:
+    """Stage-to-stage edges of one forward, learned plan against the static round-robin one.
+
+    Round-robin puts consecutive top-level stages on different streams, so on a chain of
+    n stages all n - 1 edges split it (Inception: stem, blocks, head).
+    """
+    model, learned = learned_case(case)
+    static = learned.count_edges({s.name: s.stream for s in plan(model, 4).stages})
+    mine = learned.count_edges(learned.stage_streams)
+    assert mine.chain_splits == 0
+    assert static.chain_splits == static_splits
+    assert mine.edges == len(learned.edges)
