@@ -20,6 +20,7 @@ from typing import Any, Literal
 from torch import nn
 
 from ._cost import H200, ReferenceGPU
+from ._dataflow_table import format_chain, render
 from ._observe import CallRecord, observe
 from ._plan import Plan, StageSource, as_stage_names, check_streams, plan
 from ._regions import call_dag
@@ -130,6 +131,14 @@ class LearnedPlan:
             None if self.plan_forward_us is None else self.plan_forward_us * (1 + BACKWARD_FACTOR)
         )
 
+    @property
+    def no_parallelism_message(self) -> str:
+        """The message for a ``DISABLED``/``no_parallelism`` event: the longest chain, named."""
+        return (
+            "no parallel region worth a side stream (estimated on "
+            f"{self.gpu}); longest chain: {format_chain(self.longest_chain)}"
+        )
+
     def count_edges(self, stage_streams: Mapping[str, int]) -> EdgeCount:
         """Count the stage edges of any plan (e.g. the static one) on this forward."""
         edges = _edges(self.record, stage_streams, self.lanes)
@@ -144,8 +153,6 @@ class LearnedPlan:
         return Plan(stages=stages, max_streams=self.max_streams, source=source)
 
     def __str__(self) -> str:
-        from ._dataflow_table import render
-
         return render(self)
 
 

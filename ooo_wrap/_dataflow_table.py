@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._dataflow import LearnedPlan
 
-__all__ = ["render"]
+__all__ = ["format_chain", "render"]
 
 
-def _chain(names: tuple[str, ...], limit: int = 6) -> str:
+def format_chain(names: tuple[str, ...], limit: int = 6) -> str:
+    """``a -> b -> ... -> z (n calls)``: a chain of calls, shortened past ``limit``."""
     shown = [name or "<root>" for name in names]
     if len(shown) > limit:
         shown = [*shown[: limit - 2], "...", shown[-1]]
@@ -35,7 +36,7 @@ def render(learned: LearnedPlan) -> str:
         f"{len(learned.regions)} regions on {streams} side streams (max {learned.max_streams})"
     ]
     if learned.outcome == "no_parallelism":
-        lines.append(f"  nothing to overlap; longest chain: {_chain(learned.longest_chain)}")
+        lines.append(f"  nothing to overlap; longest chain: {format_chain(learned.longest_chain)}")
     estimate = f"  estimate on {learned.gpu}: step {learned.step_us:.1f} µs on one stream"
     if learned.plan_step_us is not None and learned.stages:
         estimate += f", {learned.plan_step_us:.1f} µs with this plan"

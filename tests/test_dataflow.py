@@ -107,6 +107,7 @@ def test_chains_have_no_parallelism_and_name_their_longest_chain(
     if first is not None:
         assert learned.longest_chain[0] == first
     assert "nothing to overlap; longest chain:" in str(learned)
+    assert f"longest chain: {learned.longest_chain[0]} -> " in learned.no_parallelism_message
     assert learned.to_plan(model).stages == ()
 
 
