@@ -224,12 +224,13 @@ def choose(parallel: Parallel, gpu: ReferenceGPU) -> RegionChoice | None:
 
     The rule: a branch may leave the caller's stream only if its estimated device time is
     larger than what leaving costs the host, ``gpu.fork_join_us`` per stage call it would
-    make (one per child call in the branch); a cheaper branch would finish before the host
-    is done forking and joining it, so it could not overlap anything. The heaviest branch
-    always stays on the caller's stream. The group is a region when at least one other
-    branch is worth leaving. With the default :data:`ooo_wrap._cost.H200` reference GPU,
-    ``fork_join_us`` is 10 µs (a typical eager figure, not a measurement), so a one-call
-    branch must be estimated above 10 µs of device time, a three-call branch above 30 µs.
+    make (one per child call in the branch that launches a kernel); a cheaper branch would
+    finish before the host is done forking and joining it, so it could not overlap
+    anything. The heaviest branch always stays on the caller's stream. The group is a
+    region when at least one other branch is worth leaving. With the default
+    :data:`ooo_wrap._cost.H200` reference GPU, ``fork_join_us`` is 10 µs (a typical eager
+    figure, not a measurement), so a one-call branch must be estimated above 10 µs of
+    device time, a three-call branch above 30 µs.
 
     Returns:
         The :class:`RegionChoice`, or ``None`` when the branches stay on one stream.
@@ -241,9 +242,14 @@ def choose(parallel: Parallel, gpu: ReferenceGPU) -> RegionChoice | None:
     leaving = [
         i
         for i, branch in enumerate(parallel.branches)
-        if i != heaviest and costs[i] > gpu.fork_join_us * sum(1 for _ in branch.calls())
+        if i != heaviest and costs[i] > gpu.fork_join_us * _stage_calls(branch)
     ]
     if not leaving:
         return None
     leaving.sort(key=lambda i: -costs[i])
     return RegionChoice(heaviest, tuple(leaving))
+
+
+def _stage_calls(branch: Series) -> int:
+    """The stage calls a branch makes on a side stream: its calls that launch a kernel."""
+    return sum(1 for call in branch.calls() if call.device_us > 0)

@@ -8,9 +8,10 @@ Two assigners, both pure functions of an observed :class:`~ooo_wrap._observe.Cal
   distinct side streams while there are free ones (streams already busy with a concurrent
   branch of an enclosing region are avoided), and when there are more branches than
   streams, each next-heaviest branch goes to the least-loaded stream (greedy LPT). Stages
-  are the child calls of a branch on a side stream; every link of a branch's chain gets
-  that branch's stream. A branch that contains a region deeper down is not one stage (stages
-  cannot nest): its links become stages on its stream and the inner region is split again.
+  are the child calls of a branch on a side stream (those that launch a kernel); every link
+  of a branch's chain gets that branch's stream. A branch that contains a region deeper
+  down is not one stage (stages cannot nest): its links become stages on its stream and
+  the inner region is split again.
   Outside regions nothing is a stage.
 * :func:`assign_named` keeps stages the user named and only picks their streams: in program
   order each stage call continues the stream of its first producer stage whose stream no
@@ -126,7 +127,8 @@ class RegionWalk:
             if isinstance(part, Parallel):
                 total += self._parallel(call, part, home, avoid, lane, counter)
             elif home is not None and not self.has_region(part):
-                self.stage_stream[part.call_id] = home  # a chain link on its branch's stream
+                if part.device_us > 0:  # a call that launches no kernel is not worth a fork
+                    self.stage_stream[part.call_id] = home  # a link on its branch's stream
                 self.lanes[part.call_id] = lane
                 total += part.device_us
             else:

@@ -159,3 +159,25 @@ def test_series_cost_is_the_sum_of_its_calls() -> None:
     series = call_dag(record).series()
     assert isinstance(series, Series)
     assert series.device_us == sum(c.device_us for c in record.children) == 8.0
+
+
+class ForkWithIdentity(Fork):
+    """``mid`` is written out as a chain with a kernel-free ``nn.Identity`` link inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mid_a, self.nothing, self.mid_b = nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        return self.long(x) + self.mid_b(self.nothing(self.mid_a(x))) + self.short(x)
+
+
+def test_a_link_that_launches_no_kernel_is_neither_a_stage_nor_counted_by_the_rule() -> None:
+    record = observe(ForkWithIdentity(), (torch.randn(2, 4),), op_cost=one_us)
+    # mid costs 2 µs over 2 kernel-launching calls: it leaves at 0.9 µs per fork, not at 1.1
+    leaves = learn(record, 4, gpu=dataclasses.replace(H200, fork_join_us=0.9))
+    assert set(leaves.stage_streams) == {"mid_a", "mid_b", "short"}
+    assert leaves.stage_streams["mid_a"] == leaves.stage_streams["mid_b"]
+    stays = learn(record, 4, gpu=dataclasses.replace(H200, fork_join_us=1.1))
+    assert stays.outcome == "no_parallelism"
