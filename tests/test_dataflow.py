@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,9 @@ from ooo_wrap._dataflow import LearnedPlan, learn, learn_plan
 from ooo_wrap._observe import observe
 from ooo_wrap._plan import plan
 from ooo_wrap._streams import assign_named
+from ooo_wrap.testing import check
 from tests import dataflow_models as models
+from tests.models import SHAPES, Shape
 
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]] = {
     "inception": (lambda: models.Inception().to("meta"), lambda: (models.inception_input(),)),
@@ -237,3 +240,20 @@ def test_learned_plans_split_no_chain_where_round_robin_does(case: str, static_s
     assert mine.chain_splits == 0
     assert static.chain_splits == static_splits
     assert mine.edges == len(learned.edges)
+
+
+@pytest.mark.parametrize(
+    "shape", [s for s in SHAPES if not s.make_inputs()[1]], ids=lambda s: s.name
+)
+def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> None:
+    """Structure only (a near-free fork): the learned stages wrap and train race-free."""
+    model = shape.make_model()
+    args, _ = shape.make_inputs()
+    tiny = dataclasses.replace(H200, fork_join_us=1e-6)
+    learned = learn_plan(model, args, streams=4, gpu=tiny)
+    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    if learned.outcome == "no_parallelism":
+        return
+    learned.to_plan(model)  # valid: known, disjoint names
+    report = check(model, *args, stages=list(learned.stage_streams))
+    assert report.ok, str(report)
