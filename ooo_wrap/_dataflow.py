@@ -179,7 +179,13 @@ def learn(
     notes: list[str] = []
     outcome: Outcome
     if stages is not None:
-        wanted = assign_named(record, as_stage_names(stages, "stages="), max_streams)
+        names = as_stage_names(stages, "stages=")
+        wanted = assign_named(record, names, max_streams)
+        for name in names:
+            if name not in wanted:  # e.g. a training-only head: any stream will do
+                wanted[name] = 0
+                notes.append(f"{name} was not called in the observed forward: any stream will do")
+        wanted = {name: wanted[name] for name in names}
         outcome, plan_forward_us = "named", None
     else:
         wanted = _one_stream_per_module(record, walk.stage_stream, notes)
@@ -234,12 +240,16 @@ def learn_plan(
 ) -> LearnedPlan:
     """Run one forward of ``model`` under observation and learn its plan (see :func:`learn`).
 
+    Raises:
+        OOOConfigError: ``streams`` is not a positive int, or a name in ``stages`` is
+            unknown, repeated or overlaps another (as for :func:`ooo_wrap.plan`).
+
     Example::
 
         >>> learned = learn_plan(model, (torch.randn(8, 3, 32, 32),), streams=4)
         >>> print(learned)
     """
-    check_streams(streams)
+    plan(model, streams, stages=stages)  # the same errors as the static plan, before running
     record = observe(model, example_inputs, example_kwargs, gpu=gpu)
     return learn(record, streams, gpu=gpu, stages=stages)
 

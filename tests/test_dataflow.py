@@ -13,6 +13,7 @@ from torch import nn
 
 from ooo_wrap._cost import H200
 from ooo_wrap._dataflow import LearnedPlan, learn, learn_plan
+from ooo_wrap._errors import OOOConfigError
 from ooo_wrap._observe import observe
 from ooo_wrap._plan import plan
 from ooo_wrap._streams import assign_named
@@ -257,3 +258,30 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     learned.to_plan(model)  # valid: known, disjoint names
     report = check(model, *args, stages=list(learned.stage_streams))
     assert report.ok, str(report)
+
+
+def test_one_stream_still_overlaps_the_caller_and_keeps_chains(
+    inception: tuple[nn.Module, LearnedPlan],
+) -> None:
+    model, _ = inception
+    learned = learn_plan(model, (models.inception_input(),), streams=1)
+    assert set(learned.stage_streams.values()) == {0}
+    assert all({b.stream for b in r.branches} == {None, 0} for r in learned.regions)
+
+
+def test_bad_names_and_streams_fail_before_the_forward_runs() -> None:
+    model = models.Inception(blocks=1).to("meta")
+    with pytest.raises(OOOConfigError, match=r"no submodule 'blocks\.0\.b9'"):
+        learn_plan(model, (models.inception_input(),), stages=["blocks.0.b9"])
+    with pytest.raises(OOOConfigError, match="streams must be a positive int"):
+        learn_plan(model, (models.inception_input(),), streams=0)
+
+
+def test_a_named_stage_not_called_in_the_forward_is_kept() -> None:
+    model = models.Inception(blocks=1).to("meta")
+    model.unused = nn.Linear(2, 2)
+    names = ["blocks.0.b1", "unused"]
+    learned = learn_plan(model, (models.inception_input(),), stages=names)
+    assert list(learned.stage_streams) == names
+    assert learned.notes == ("unused was not called in the observed forward: any stream will do",)
+    assert [s.name for s in learned.to_plan(model, "argument").stages] == names
