@@ -30,7 +30,14 @@ from ._cost import ReferenceGPU
 from ._observe import CallRecord
 from ._regions import CallDag, Parallel, Series, call_dag, choose
 
-__all__ = ["BranchPlacement", "RegionPlacement", "RegionWalk", "assign_named", "stage_edges"]
+__all__ = [
+    "BranchPlacement",
+    "RegionPlacement",
+    "RegionWalk",
+    "assign_named",
+    "assign_regions",
+    "stage_edges",
+]
 
 Lane = tuple[int, int, int]  # (call_id of the region's call, region number, branch number)
 
