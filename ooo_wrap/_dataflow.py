@@ -145,12 +145,15 @@ class LearnedPlan:
         cross = [e for e in edges if e.cross_stream]
         return EdgeCount(len(edges), len(cross), sum(e.chain_link for e in cross))
 
-    def to_plan(self, model: nn.Module, source: StageSource = "automatic") -> Plan:
-        """The :class:`Plan` for the scheduler: these stages, on these streams."""
+    def to_plan(self, model: nn.Module, source: StageSource = "dataflow") -> Plan:
+        """The :class:`Plan` for the scheduler: these stages, on these streams (none for
+        ``no_parallelism``), with this learned plan attached for its table."""
+        if not self.stages:
+            return Plan(stages=(), max_streams=self.max_streams, source=source, learned=self)
         base = plan(model, self.max_streams, stages=[stage.name for stage in self.stages])
         streams = self.stage_streams
         stages = tuple(replace(stage, stream=streams[stage.name]) for stage in base.stages)
-        return Plan(stages=stages, max_streams=self.max_streams, source=source)
+        return Plan(stages=stages, max_streams=self.max_streams, source=source, learned=self)
 
     def __str__(self) -> str:
         return render(self)

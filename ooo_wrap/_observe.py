@@ -171,6 +171,11 @@ class Observer:
     dispatch mode are removed on exit, even if the forward raised. ``record`` is the root
     call after a forward ran inside the block.
 
+    With ``inside_root=True`` the block is entered from inside the root's own call (a
+    forward pre-hook of the model, as the wrapper learns its plan) and left before that
+    call returns (from its forward hook): the root's call is opened on entering and closed
+    on leaving, instead of by hooks on the root.
+
     Example::
 
         >>> with Observer(model) as watch:
@@ -179,9 +184,15 @@ class Observer:
     """
 
     def __init__(
-        self, model: nn.Module, *, gpu: ReferenceGPU = H200, op_cost: OpCostFn | None = None
+        self,
+        model: nn.Module,
+        *,
+        gpu: ReferenceGPU = H200,
+        op_cost: OpCostFn | None = None,
+        inside_root: bool = False,
     ) -> None:
         self._model = model
+        self._inside_root = inside_root
         self._op_cost = op_cost or (lambda f, a, k, o: estimate_op(f, a, k, o, gpu).device_us)
         self._stack: list[_OpenCall] = []
         self._top: list[CallRecord] = []
@@ -198,6 +209,8 @@ class Observer:
 
     def __enter__(self) -> Observer:
         for name, module in self._model.named_modules():
+            if self._inside_root and module is self._model:
+                continue
             pre = module.register_forward_pre_hook(self._pre_hook(name), prepend=True)
             post = module.register_forward_hook(self._post_hook, always_call=True)
             self._handles += [pre, post]
@@ -207,10 +220,14 @@ class Observer:
         except BaseException:
             self._remove_hooks()
             raise
+        if self._inside_root:
+            self._pre_hook("")(self._model, ())
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
+            if self._inside_root and len(self._stack) == 1:  # the root call, and only it
+                self._post_hook(self._model, (), None)
             if self._mode is not None:
                 self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         finally:
