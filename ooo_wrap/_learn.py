@@ -40,6 +40,10 @@ __all__ = ["Learner", "finish", "learn_from_example", "pending_plan"]
 
 logger = logging.getLogger("ooo_wrap")
 
+# The reference GPU of the cost estimates the region rule uses (read at each learning, so
+# that tests of plan structure on tiny CPU models can make forks nearly free).
+REFERENCE_GPU = H200
+
 
 def pending_plan(streams: int) -> Plan:
     """The plan of a wrapped model whose plan is still to be learned."""
@@ -58,7 +62,7 @@ def named_stages(model: nn.Module, streams: int, stages: Sequence[str] | None) -
 def _learned(model: nn.Module, record: CallRecord, streams: int, named: Plan | None) -> Plan:
     names = None if named is None else [stage.name for stage in named.stages]
     source: StageSource = "dataflow" if named is None else named.source
-    return learn(record, streams, gpu=H200, stages=names).to_plan(model, source)
+    return learn(record, streams, gpu=REFERENCE_GPU, stages=names).to_plan(model, source)
 
 
 def learn_from_example(
@@ -78,8 +82,9 @@ def learn_from_example(
     named = named_stages(model, streams, stages)
     names = None if named is None else [stage.name for stage in named.stages]
     inputs = tuple(example_inputs or ())
+    copied = copy.deepcopy(model)
     learned = learn_plan(
-        copy.deepcopy(model), inputs, example_kwargs, streams=streams, stages=names
+        copied, inputs, example_kwargs, streams=streams, stages=names, gpu=REFERENCE_GPU
     )
     return learned.to_plan(model, "dataflow" if named is None else named.source)
 
@@ -140,7 +145,7 @@ class Learner:
         self._counters.forwards += 1
         if not self._eligible():
             return
-        observer = Observer(module, gpu=H200, inside_root=True)
+        observer = Observer(module, gpu=REFERENCE_GPU, inside_root=True)
         try:
             observer.__enter__()
         except Exception as error:

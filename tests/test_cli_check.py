@@ -16,7 +16,7 @@ from tests.cli_helpers import doc_commands, run_cli
 def _direct_check(model: torch.nn.Module, *inputs: torch.Tensor) -> object:
     from ooo_wrap.testing import check  # type: ignore[attr-defined]
 
-    return check(model, *inputs)
+    return check(model, *inputs, planner="static")
 
 
 @pytest.mark.parametrize(

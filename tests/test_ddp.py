@@ -81,7 +81,9 @@ def _ddp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]:
         torch.manual_seed(0)
         plain = Branches().to(device)
         torch.manual_seed(0)
-        wrapped = ooo_wrap.OOOModule(Branches().to(device), streams=2, backend=backend)
+        wrapped = ooo_wrap.OOOModule(
+            Branches().to(device), streams=2, backend=backend, planner="static"
+        )
         results[mode] = {
             "plain": _train(plain, mode, rank, device),
             "wrapped": _train(wrapped, mode, rank, device),
@@ -91,7 +93,9 @@ def _ddp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]:
             "class": type(wrapped).__name__,
         }
     try:
-        ooo_wrap.OOOModule(DistributedDataParallel(Branches()), backend=SimulatedBackend())
+        ooo_wrap.OOOModule(
+            DistributedDataParallel(Branches()), backend=SimulatedBackend(), planner="static"
+        )
     except ooo_wrap.OOOConfigError as error:
         results["ddp_first_error"] = str(error)
     return results
