@@ -160,6 +160,8 @@ def run_gpu(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     points = build_points(args)
+    if args.planner == "both":  # each point twice, side by side: learned plan, static plan
+        points = [replace(point, planner=p) for point in points for p in ("dataflow", "static")]
     report = new_report(args, argv, "gpu")
     report["points_planned"] = len(points)
 
@@ -194,8 +196,6 @@ def _measure_points(
 ) -> None:
     progress = Progress()
     start = time.monotonic()
-    if args.planner == "both":  # each point twice, side by side: learned plan, static plan
-        points = [replace(point, planner=p) for point in points for p in ("dataflow", "static")]
     for i, point in enumerate(points, 1):
         elapsed = time.monotonic() - start
         if args.budget_s and elapsed > args.budget_s:

@@ -256,7 +256,7 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     if learned.outcome == "no_parallelism":
         return
     learned.to_plan(model)  # valid: known, disjoint names
-    report = check(model, *args, stages=list(learned.stage_streams))
+    report = check(model, *args, stages=list(learned.stage_streams), planner="static")
     assert report.ok, str(report)
 
 

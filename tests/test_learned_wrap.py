@@ -297,3 +297,13 @@ def test_the_cli_prints_the_learned_plan(capsys: pytest.CaptureFixture[str]) -> 
     assert "stages from dataflow" in out and "Learned plan" in out
     assert main(["plan", "examples.quickstart:build_model"]) == 0
     assert "pass --input SHAPE" in capsys.readouterr().out
+
+
+def test_a_deep_copy_of_a_learned_model_learns_its_own_plan() -> None:
+    model, inputs = build("two_tower")
+    wrapped = OOOModule(model, backend=SimulatedBackend())
+    train_step(wrapped, inputs)
+    clone = copy.deepcopy(wrapped)
+    assert isinstance(clone, OOOModule) and clone.plan.pending  # same options, fresh learning
+    train_step(clone, inputs)
+    assert clone.plan == wrapped.plan
