@@ -307,3 +307,10 @@ def test_a_deep_copy_of_a_learned_model_learns_its_own_plan() -> None:
     assert isinstance(clone, OOOModule) and clone.plan.pending  # same options, fresh learning
     train_step(clone, inputs)
     assert clone.plan == wrapped.plan
+
+
+def test_check_with_one_step_says_nothing_was_checked() -> None:
+    model, inputs = build("two_tower")
+    report = check(model, *inputs, loss_fn=loss, steps=1)
+    assert not report.ok and report.not_checked is not None
+    assert "pass steps >= 2" in report.not_checked
