@@ -6,11 +6,13 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
+from ooo_wrap import _learn
 from ooo_wrap._cost import H200
 from ooo_wrap._dataflow import LearnedPlan, learn, learn_plan
 from ooo_wrap._errors import OOOConfigError
@@ -256,8 +258,13 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     if learned.outcome == "no_parallelism":
         return
     learned.to_plan(model)  # valid: known, disjoint names
-    report = check(model, *args, stages=list(learned.stage_streams), planner="static")
+    # The wrapper learns the same plan on the first step (same near-free fork), then the
+    # learned stages run on their learned streams in the next two.
+    with mock.patch.object(_learn, "REFERENCE_GPU", tiny):
+        report = check(model, *args, streams=4, steps=3)
     assert report.ok, str(report)
+    side = {row.stream for row in report.ops if row.forward and row.stream != "default"}
+    assert len(side) == len(set(learned.stage_streams.values()))
 
 
 def test_one_stream_still_overlaps_the_caller_and_keeps_chains(

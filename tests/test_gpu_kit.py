@@ -83,7 +83,7 @@ def test_full_dry_run_keeps_a_failing_point_and_at_most_eight_files(tmp_path: Pa
     assert bench[0] == "FAIL" and "40 of 48 points measured, 8 failed" in bench[1]
     (json_path,) = out.glob("benchmark_*.json")
     data = json.loads(json_path.read_text())
-    assert len(data["results"]) == 20 and len(data["errors"]) == 4 and data["complete"]
+    assert len(data["results"]) == 40 and len(data["errors"]) == 8 and data["complete"]
     assert "FAILED points:\n- towers K=8 W=2048 D=4 batch=64 float32" in summary
     assert summary.count("| towers K=8 W=2048 D=4 | 16 | float32 |") == 1
     # An import error in one module does not take the optional step down.

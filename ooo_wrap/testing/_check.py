@@ -110,7 +110,9 @@ def check(
         trace=records,
         notes=notes,
         steps=steps,
-        not_checked=_not_checked(wrapped),
+        not_checked=_not_checked(
+            wrapped, learned_on_last_step=planner == "dataflow" and steps == 1
+        ),
     )
 
 
@@ -129,10 +131,11 @@ def torch_version_note(version: str | None = None) -> str | None:
     return f"torch {version} is installed; {checked}: backward findings may not match its engine"
 
 
-def _not_checked(wrapped: nn.Module) -> str | None:
-    """Why nothing was checked, if the wrapper fell back and left the copy untouched."""
+def _not_checked(wrapped: nn.Module, *, learned_on_last_step: bool) -> str | None:
+    """Why nothing was checked, if the wrapper fell back and left the copy untouched, or
+    the only step was the one that learned the plan (inline)."""
     if isinstance(wrapped, OOOModule):
-        if wrapped.plan.pending:
+        if learned_on_last_step or wrapped.plan.pending:
             return (
                 "the only step ran inline while the plan was learned, so no side stream ran "
                 "and nothing was checked; pass steps >= 2"
