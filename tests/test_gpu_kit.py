@@ -85,7 +85,8 @@ def test_full_dry_run_keeps_a_failing_point_and_at_most_eight_files(tmp_path: Pa
     data = json.loads(json_path.read_text())
     assert len(data["results"]) == 40 and len(data["errors"]) == 8 and data["complete"]
     assert "FAILED points:\n- towers K=8 W=2048 D=4 batch=64 float32" in summary
-    assert summary.count("| towers K=8 W=2048 D=4 | 16 | float32 |") == 1
+    for planner in ("dataflow", "static"):
+        assert summary.count(f"| towers K=8 W=2048 D=4 [{planner}] | 16 | float32 |") == 1
     # An import error in one module does not take the optional step down.
     optional = rows["(d) other cuda tests (optional)"]
     assert optional[0] == "FAIL" and optional[1].startswith("1 passed, 1 failed or errored")
