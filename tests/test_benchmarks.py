@@ -19,7 +19,7 @@ import torch
 
 import ooo_wrap
 import ooo_wrap.testing
-from benchmarks import report, suite
+from benchmarks import overhead, report, suite
 from benchmarks.measure import Point, measure_point, summarize_times
 from benchmarks.models import ModelSpec
 from ooo_wrap.testing import SimulatedBackend
@@ -581,3 +581,10 @@ def test_sanitizer_check_verdict(
     else:
         assert status == 1 and "NOT FLAGGED (must be): a two-stream program" in out
         assert "1/2 broken runs flagged" in verdict
+
+
+def test_a_learned_no_parallelism_chain_makes_no_backend_call() -> None:
+    result = overhead.measure_no_parallelism(repeats=3, calls=5, warmup=5)
+    assert result["backend_calls_per_forward"] == 0
+    assert result["plain_us_per_forward"] > 0 and result["wrapped_us_per_forward"] > 0
+    assert result["plain_iqr_us"] >= 0
