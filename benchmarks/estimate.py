@@ -64,7 +64,8 @@ class TraceEstimator:
         """What made the numbers, with its reference GPU and assumptions."""
         return (
             f"cost-model estimate, not measured: the checker's trace on {self.gpu.name}, "
-            f"{self.streams} side streams; kernels assumed not to slow each other; "
+            f"{self.streams} side streams, the point's planner (static if none); kernels "
+            "assumed not to slow each other; "
             "bfloat16 points as a bfloat16 model (no autocast)"
         )
 
@@ -92,7 +93,10 @@ class TraceEstimator:
         if inputs.is_floating_point():
             inputs = inputs.to(dtype)
         backend = DetectingBackend()
-        wrapped = ooo_wrap.OOOModule(model, self.streams, backend=backend)
+        # The point's planner (a learned plan is learned on the first of the two steps);
+        # a point that names none is estimated with the static plan.
+        planner = getattr(point, "planner", None) or "static"
+        wrapped = ooo_wrap.OOOModule(model, self.streams, backend=backend, planner=planner)
         if not isinstance(wrapped, ooo_wrap.OOOModule):
             raise RuntimeError(f"the wrapper fell back: {ooo_wrap.events_for(wrapped)}")
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-4, momentum=0.9, foreach=True)

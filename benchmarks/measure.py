@@ -49,9 +49,11 @@ class Point:
     spec: ModelSpec
     batch: int
     dtype: Dtype
+    planner: str = ""  # OOOModule(planner=...) when the suite measures a chosen one
 
     def __str__(self) -> str:
-        return f"{self.spec.label} batch={self.batch} {self.dtype}"
+        planner = f" planner={self.planner}" if self.planner else ""
+        return f"{self.spec.label} batch={self.batch} {self.dtype}{planner}"
 
 
 class _Side:
@@ -123,6 +125,7 @@ def measure_point(
     seed: int = 0,
     lr: float = 1e-4,
     backend: Any = None,
+    planner: str = "dataflow",
 ) -> dict[str, Any]:
     """Measure ``point`` on ``device``; returns the JSON-ready record of both sides.
 
@@ -137,6 +140,8 @@ def measure_point(
         lr: SGD learning rate (momentum 0.9); small, so that nothing diverges.
         backend: passed to :class:`ooo_wrap.OOOModule`; ``None`` for the real device
             (the tests pass a ``SimulatedBackend`` to run this code on a CPU).
+        planner: ``OOOModule(planner=...)``: ``"dataflow"`` learns the plan on the wrapped
+            side's first step (a warm-up or memory step, inline), ``"static"`` does not.
     """
     if steps < 1 or warmup < 0 or mem_steps < 1:
         raise ValueError("need steps >= 1, warmup >= 0 and mem_steps >= 1")
@@ -150,7 +155,12 @@ def measure_point(
     def make_side(name: str, reference: nn.Module) -> _Side:
         model = copy.deepcopy(reference)
         if name == "wrapped":
-            model = ooo_wrap.OOOModule(model, streams=streams, backend=backend)
+            model = ooo_wrap.OOOModule(
+                model,
+                streams=streams,
+                backend=backend,
+                planner=planner,  # type: ignore[arg-type]
+            )
         return _Side(name, model, lr)
 
     record: dict[str, Any] = {
@@ -159,6 +169,7 @@ def measure_point(
         "size": spec.size,
         "batch": point.batch,
         "dtype": point.dtype,
+        "planner": planner,
     }
 
     # Memory phase: each side alone on the device (besides the reference and the batch).

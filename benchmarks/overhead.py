@@ -7,6 +7,11 @@ interleaved in one process after a warm-up; the median over repeats of
 hooks' cost included, spread over the stages). Device stream calls come on top of this on
 a GPU and are not measured here; instead :class:`CountingBackend` counts them: backend
 calls per stage call, by method, and how many of its event records create a new event.
+These use ``planner="static"``, so that every one of the 24 stages forks from the start.
+
+The same chain wrapped with the default ``dataflow`` planner learns ``no_parallelism`` on
+its first forward and then has no hook at all: :func:`measure_no_parallelism` times it
+against the plain model (target: within noise of zero) and counts its backend calls.
 """
 
 from __future__ import annotations
@@ -128,7 +133,10 @@ def measure(
     """Median µs per forward (plain, wrapped) and µs added per stage call."""
     plain = Chain()
     wrapped = ooo_wrap.OOOModule(
-        copy.deepcopy(plain), backend=NullBackend(), profile_ranges=profile_ranges
+        copy.deepcopy(plain),
+        backend=NullBackend(),
+        profile_ranges=profile_ranges,
+        planner="static",
     )
     x = torch.ones(1)
     _time_forwards(plain, x, warmup)
@@ -150,7 +158,7 @@ def measure(
 def count_backend_calls(forwards: int = 100) -> dict[str, float]:
     """Backend calls per stage call, by method, in steady state (after one forward)."""
     backend = CountingBackend()
-    wrapped = ooo_wrap.OOOModule(Chain(), backend=backend)
+    wrapped = ooo_wrap.OOOModule(Chain(), backend=backend, planner="static")
     x = torch.ones(1)
     wrapped(x)  # first use makes the events that later calls re-use
     backend.calls.clear()
@@ -161,6 +169,41 @@ def count_backend_calls(forwards: int = 100) -> dict[str, float]:
     per_call["total"] = sum(v for k, v in backend.calls.items() if k != "new_event") / stage_calls
     per_call.setdefault("new_event", 0.0)
     return per_call
+
+
+def measure_no_parallelism(
+    repeats: int = 30, calls: int = 200, warmup: int = 200
+) -> dict[str, float]:
+    """The chain wrapped with the ``dataflow`` planner, after the forward that learned
+    ``no_parallelism``: median µs per forward plain and wrapped, their difference, the
+    spread of the plain side between repeats (the noise), and backend calls per forward."""
+    plain = Chain()
+    backend = CountingBackend()
+    wrapped = ooo_wrap.OOOModule(copy.deepcopy(plain), backend=backend)
+    x = torch.ones(1)
+    wrapped(x)  # learns the plan: a chain, so nothing to overlap and every hook removed
+    reasons = [event.reason for event in ooo_wrap.events_for(wrapped)]
+    if "no_parallelism" not in reasons:
+        raise RuntimeError(f"expected the chain to learn no_parallelism, got events {reasons}")
+    backend.calls.clear()
+    _time_forwards(plain, x, warmup)
+    _time_forwards(wrapped, x, warmup)
+    plain_us, wrapped_us, added_us = [], [], []
+    for _ in range(repeats):  # interleaved A/B, so drift hits both sides alike
+        a = _time_forwards(plain, x, calls) / calls * 1e6
+        b = _time_forwards(wrapped, x, calls) / calls * 1e6
+        plain_us.append(a)
+        wrapped_us.append(b)
+        added_us.append(b - a)
+    forwards = warmup + repeats * calls
+    quartiles = statistics.quantiles(plain_us, n=4)
+    return {
+        "plain_us_per_forward": statistics.median(plain_us),
+        "wrapped_us_per_forward": statistics.median(wrapped_us),
+        "added_us_per_forward": statistics.median(added_us),
+        "plain_iqr_us": quartiles[2] - quartiles[0],
+        "backend_calls_per_forward": sum(backend.calls.values()) / forwards,
+    }
 
 
 def _load_other(root: str) -> Any:
@@ -187,7 +230,7 @@ def compare(other_root: str, repeats: int = 60, calls: int = 100) -> dict[str, f
     plain = Chain()
     models = {
         "plain": plain,
-        "this": ooo_wrap.OOOModule(copy.deepcopy(plain), backend=NullBackend()),
+        "this": ooo_wrap.OOOModule(copy.deepcopy(plain), backend=NullBackend(), planner="static"),
         "other": other.OOOModule(copy.deepcopy(plain), backend=NullBackend()),
     }
     x = torch.ones(1)
@@ -235,6 +278,15 @@ def main() -> None:
     detail = ", ".join(f"{k} {v:.2f}" for k, v in calls.items() if k not in ("total", "new_event"))
     print(f"backend calls per stage call: {calls['total']:.2f} ({detail})")
     print(f"events created per stage call (steady state): {calls['new_event']:.2f}")
+    learned = measure_no_parallelism(args.repeats, args.calls)
+    print(
+        "dataflow planner, the same chain (learned no_parallelism, hooks removed): "
+        f"plain {learned['plain_us_per_forward']:.1f} µs, wrapped "
+        f"{learned['wrapped_us_per_forward']:.1f} µs per forward, added "
+        f"{learned['added_us_per_forward']:+.2f} µs (plain's spread between repeats, "
+        f"IQR: {learned['plain_iqr_us']:.2f} µs); backend calls per forward: "
+        f"{learned['backend_calls_per_forward']:.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ def _first(side: Record) -> str:
 def _model_cell(record: Record) -> str:
     wrapped = record["wrapped"]
     cell = str(record["label"])
+    if record.get("planner"):
+        cell += f" [{record['planner']}]"
     if not wrapped.get("active", False):
         reasons = ", ".join(wrapped.get("events", [])) or "unknown reason"
         cell += f" **(not wrapped: {reasons})**"

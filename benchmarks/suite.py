@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -159,6 +160,8 @@ def run_gpu(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     points = build_points(args)
+    if args.planner == "both":  # each point twice, side by side: learned plan, static plan
+        points = [replace(point, planner=p) for point in points for p in ("dataflow", "static")]
     report = new_report(args, argv, "gpu")
     report["points_planned"] = len(points)
 
@@ -209,6 +212,7 @@ def _measure_points(
                 streams=args.streams,
                 seed=args.seed,
                 lr=args.lr,
+                planner=point.planner or args.planner,
             )
         except torch.cuda.OutOfMemoryError:
             # A size too big for this GPU is a fact about the GPU, not a failed run.
@@ -258,6 +262,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "mem_steps": args.mem_steps,
         "streams": args.streams,
+        "planner": args.planner,
         "seed": args.seed,
         "optimizer": OPTIMIZER.format(lr=args.lr),
         "timing": "per step: synchronize, perf_counter, zero_grad + forward (autocast for "

@@ -90,6 +90,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--steps", type=int, default=30, help="steady-state steps per side")
     g.add_argument("--mem-steps", type=int, default=3, help="steps per side for peak memory")
     g.add_argument("--streams", type=int, default=4, help="OOOModule(streams=...)")
+    g.add_argument(
+        "--planner",
+        choices=["dataflow", "static", "both"],
+        default="both",
+        help="OOOModule(planner=...); 'both' measures every point with each, side by side",
+    )
     g.add_argument("--seed", type=int, default=0, help="seeds parameters and batch")
     g.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate (momentum 0.9)")
     g.add_argument(

@@ -1,8 +1,9 @@
 """The command line: ``python -m ooo_wrap`` or ``ooo-wrap``.
 
-``plan`` prints the plan table of the model a factory returns; ``check`` runs the CPU race
-check on it. Exit status: 0 ok, 1 the check found something, 2 a usage error (one line on
-stderr, never a traceback).
+``plan`` prints the plan table of the model a factory returns (the learned plan when
+``--input`` shapes are given: one forward runs on the CPU under observation); ``check``
+runs the CPU race check on it. Exit status: 0 ok, 1 the check found something, 2 a usage
+error (one line on stderr, never a traceback).
 """
 
 from __future__ import annotations
@@ -76,9 +77,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     plan_parser = commands.add_parser(
         "plan",
         help="print the plan table: stages, streams, devices, parameters",
-        description="Print the plan OOOModule(model) would use, without touching a device.",
+        description="Print the plan OOOModule(model) would use, without touching a device. "
+        "With --input, the plan the dataflow planner learns: one forward of a copy of the "
+        "model runs on the CPU on random inputs of those shapes, observed (regions, "
+        "streams, estimated device time per stage on a reference GPU, dataflow edges). "
+        "Without --input (or with --planner static), the static plan.",
     )
     _add_model_arguments(plan_parser)
+    _add_input_arguments(plan_parser, required=False)
     plan_parser.set_defaults(run=_run_plan)
 
     check_parser = commands.add_parser(
@@ -91,31 +97,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "for every table), else 2 (0 and 1 index any dimension of size 2 or more).",
     )
     _add_model_arguments(check_parser)
-    check_parser.add_argument(
-        "--input",
-        dest="inputs",
-        action="append",
-        required=True,
-        metavar="SHAPE",
-        help="shape of one positional input, sizes joined by 'x' (e.g. 8x64); repeat it "
-        "for each input, in order",
-    )
-    check_parser.add_argument(
-        "--dtype",
-        dest="dtypes",
-        action="extend",
-        nargs="+",
-        metavar="DTYPE",
-        help=f"one of {', '.join(DTYPES)}: one for all inputs, or one per input, in "
-        "order (default float32)",
-    )
-    check_parser.add_argument(
-        "--int-high", type=int, metavar="HIGH", help="exclusive upper bound of integer inputs"
-    )
+    _add_input_arguments(check_parser, required=True)
     check_parser.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
-    check_parser.add_argument(
-        "--seed", type=int, default=0, help="seeds the factory and the inputs (default 0)"
-    )
     check_parser.set_defaults(run=_run_check)
     return parser
 
@@ -132,20 +115,89 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stages", nargs="+", metavar="NAME", help="dotted stage names (default: automatic)"
     )
+    parser.add_argument(
+        "--planner",
+        choices=["dataflow", "static"],
+        default="dataflow",
+        help="dataflow (default): stages and streams learned from one forward; static: "
+        "stage names or automatic expansion, streams round-robin",
+    )
+
+
+def _add_input_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument(
+        "--input",
+        dest="inputs",
+        action="append",
+        required=required,
+        metavar="SHAPE",
+        help="shape of one positional input, sizes joined by 'x' (e.g. 8x64); repeat it "
+        "for each input, in order",
+    )
+    parser.add_argument(
+        "--dtype",
+        dest="dtypes",
+        action="extend",
+        nargs="+",
+        metavar="DTYPE",
+        help=f"one of {', '.join(DTYPES)}: one for all inputs, or one per input, in "
+        "order (default float32)",
+    )
+    parser.add_argument(
+        "--int-high", type=int, metavar="HIGH", help="exclusive upper bound of integer inputs"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the factory and the inputs (default 0)"
+    )
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    learn = args.planner == "dataflow" and args.inputs
+    if learn:
+        torch.manual_seed(args.seed)
     model = load_model(args.factory)
-    the_plan = plan(model, args.streams, stages=args.stages)
+    try:
+        if learn:
+            inputs = _inputs(args, model.cpu())
+            the_plan = plan(model, args.streams, stages=args.stages, example_inputs=inputs)
+        else:
+            the_plan = plan(model, args.streams, stages=args.stages)
+    except OOOError as error:
+        raise UsageError(error) from None
+    except Exception as error:  # the model itself failed: say so in one line
+        raise UsageError(
+            f"the model raised {type(error).__name__} while the plan was learned: "
+            f"{_one_line(error)} (are the --input shapes and --dtype right for it?)"
+        ) from None
     print(the_plan)
-    if len(the_plan.stages) < 2:
+    if learn:
+        if not the_plan.stages:
+            print("note: nothing to overlap, so OOOModule(model) removes its hooks after learning")
+    elif args.planner == "dataflow":
+        print(
+            "note: this is the static plan; OOOModule(model) learns its plan from the first "
+            "training forward (pass --input SHAPE to see that plan here, or --planner static)"
+        )
+    elif len(the_plan.stages) < 2:
         print("note: fewer than two stages, so OOOModule(model) leaves this model untouched")
     return EXIT_OK
 
 
-def _run_check(args: argparse.Namespace) -> int:
+def _inputs(args: argparse.Namespace, model: nn.Module) -> list[torch.Tensor]:
+    """Random CPU inputs of the --input shapes and --dtype types (see ``check --help``)."""
     shapes = [parse_shape(text) for text in args.inputs]
     dtypes = _dtypes_for(args.dtypes or ["float32"], len(shapes))
+    if args.int_high is not None:
+        positive_int(args.int_high, "--int-high")
+    high = args.int_high if args.int_high is not None else default_int_high(model)
+    generator = torch.Generator().manual_seed(args.seed)
+    pairs = zip(shapes, dtypes, strict=True)
+    return [_random(shape, dtype, high, generator) for shape, dtype in pairs]
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    shapes = [parse_shape(text) for text in args.inputs]
+    _dtypes_for(args.dtypes or ["float32"], len(shapes))
     for flag, value in (("--int-high", args.int_high), ("--steps", args.steps)):
         if value is not None:
             positive_int(value, flag)
@@ -153,13 +205,15 @@ def _run_check(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     model = load_model(args.factory).cpu()
-    high = args.int_high if args.int_high is not None else default_int_high(model)
-    generator = torch.Generator().manual_seed(args.seed)
-    pairs = zip(shapes, dtypes, strict=True)
-    inputs = [_random(shape, dtype, high, generator) for shape, dtype in pairs]
+    inputs = _inputs(args, model)
     try:
         report = testing.check(
-            model, *inputs, streams=args.streams, stages=args.stages, steps=args.steps
+            model,
+            *inputs,
+            streams=args.streams,
+            stages=args.stages,
+            steps=args.steps,
+            planner=args.planner,
         )
     except OOOError as error:
         raise UsageError(error) from None

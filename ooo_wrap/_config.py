@@ -1,4 +1,5 @@
-"""``from_config``: the trainer-config entry point (``ooo_backprop``, ``ooo_streams``)."""
+"""``from_config``: the trainer-config entry point (``ooo_backprop``, ``ooo_streams``,
+``ooo_planner``)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from typing import Any
 from torch import nn
 
 from ._errors import OOOConfigError, did_you_mean
+from ._options import check_planner
 from ._plan import check_streams
 from ._wrap import OOOModule, record_fallback
 
 __all__ = ["from_config"]
 
-_KNOWN_KEYS = ("ooo_backprop", "ooo_streams")
+_KNOWN_KEYS = ("ooo_backprop", "ooo_streams", "ooo_planner")
 
 logger = logging.getLogger("ooo_wrap")
 
@@ -23,7 +25,8 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
     """Wrap ``model`` as a trainer config says; the feature is off unless asked for.
 
     Keys read: ``ooo_backprop`` (bool, default ``False``), ``ooo_streams`` (positive int,
-    default 4) and ``compile`` (bool, default ``False``: when true the model is returned
+    default 4), ``ooo_planner`` (``"dataflow"``, the default, or ``"static"``; see
+    :class:`OOOModule`) and ``compile`` (bool, default ``False``: when true the model is returned
     untouched with a warning, since the compiled path wins). Other keys are ignored, but
     an unknown ``ooo_*`` key is an error, so a typo cannot silently turn the feature off.
 
@@ -52,12 +55,13 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
     enabled = _flag(config, "ooo_backprop")
     compiled = _flag(config, "compile")
     streams = check_streams(config.get("ooo_streams", 4), "config['ooo_streams']")
+    planner = check_planner(config.get("ooo_planner", "dataflow"), "config['ooo_planner']")
     if not enabled:
         logger.debug("ooo_backprop is off in the config; model left untouched")
         return model
     if compiled:
         return record_fallback(model, "compiled", warn=True)
-    wrapped: nn.Module = OOOModule(model, streams)
+    wrapped: nn.Module = OOOModule(model, streams, planner=planner)
     return wrapped
 
 

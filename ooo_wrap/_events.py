@@ -16,6 +16,7 @@ class EventKind(enum.Enum):
     """The kind of an :class:`OOOEvent`."""
 
     ENABLED = "enabled"
+    PLANNED = "planned"  # the dataflow planner learned, fell back to the static plan, or replans
     DISABLED = "disabled"
     SETUP_FAILED = "setup_failed"
     BYPASSED = "bypassed"

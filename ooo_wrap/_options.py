@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from typing_extensions import get_protocol_members
 
@@ -11,7 +12,10 @@ from ._backend import Backend
 from ._errors import OOOConfigError
 from ._plan import as_stage_names, check_streams
 
-__all__ = ["WrapOptions"]
+__all__ = ["PLANNERS", "Planner", "WrapOptions", "check_planner"]
+
+Planner = Literal["dataflow", "static"]
+PLANNERS: tuple[Planner, ...] = ("dataflow", "static")
 
 
 @dataclass(frozen=True)
@@ -28,12 +32,16 @@ class WrapOptions:
         backend: where streams come from; ``None`` for the real accelerator.
         profile_ranges: run each stage's forward inside
             ``torch.profiler.record_function("ooo/<stage name>")``.
+        planner: ``"dataflow"`` learns the stages and streams from the first training
+            forward; ``"static"`` takes the stage names (or automatic expansion) and
+            assigns streams round-robin, without observing anything.
     """
 
     streams: int = 4
     stages: Sequence[str] | None = None
     backend: Backend | None = None
     profile_ranges: bool = False
+    planner: Planner = "dataflow"
 
     def __post_init__(self) -> None:
         check_streams(self.streams)
@@ -47,6 +55,19 @@ class WrapOptions:
                 f"profile_ranges must be True or False, got {self.profile_ranges!r}; "
                 "pass profile_ranges=True to see stage names in profiler traces"
             )
+        check_planner(self.planner, "planner")
+
+
+def check_planner(planner: object, where: str) -> Planner:
+    """Return ``planner`` if it names a planner, else raise :class:`OOOConfigError`."""
+    for known in PLANNERS:
+        if planner == known and isinstance(planner, str):
+            return known
+    raise OOOConfigError(
+        f"{where} must be one of {', '.join(map(repr, PLANNERS))}, got {planner!r}; "
+        "'dataflow' learns the plan from the first training forward, 'static' uses stage "
+        "names or automatic expansion with round-robin streams"
+    )
 
 
 def _check_backend(backend: object) -> None:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from ._errors import OOOConfigError, did_you_mean, positive_int
 
+if TYPE_CHECKING:
+    from ._dataflow import LearnedPlan
+
 __all__ = ["Plan", "Stage", "as_stage_names", "check_streams", "plan", "plural"]
 
-StageSource = Literal["argument", "attribute", "automatic"]
+StageSource = Literal["argument", "attribute", "automatic", "dataflow"]
 
 
 @dataclass(frozen=True)
@@ -48,17 +51,26 @@ class Plan:
         stages: the stages in model order.
         max_streams: the ``streams`` asked for.
         source: where the stage names came from: the ``stages=`` argument, the model's
-            ``ooo_stage_names`` attribute, or automatic expansion.
+            ``ooo_stage_names`` attribute, automatic expansion, or the model's dataflow.
+        learned: the plan learned from one observed forward (regions, estimates, edges)
+            when the ``dataflow`` planner made this plan, else ``None``. A ``dataflow``
+            plan without it and without stages is one still to be learned.
     """
 
     stages: tuple[Stage, ...]
     max_streams: int
     source: StageSource
+    learned: LearnedPlan | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_streams(self) -> int:
-        """Side streams actually used (never more than there are stages)."""
-        return min(self.max_streams, len(self.stages))
+        """Side streams actually used: one past the highest stream index of a stage."""
+        return max((stage.stream for stage in self.stages), default=-1) + 1
+
+    @property
+    def pending(self) -> bool:
+        """A ``dataflow`` plan not learned yet (it is learned on the first training forward)."""
+        return self.source == "dataflow" and self.learned is None and not self.stages
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
@@ -66,6 +78,12 @@ class Plan:
         return tuple(dict.fromkeys(stage.device for stage in self.stages))
 
     def __str__(self) -> str:
+        if self.pending:
+            return (
+                f"Plan: to be learned from the model's dataflow on its first training forward "
+                f"(which runs inline on the caller's stream; max {self.max_streams} side "
+                "streams); print it again after that forward"
+            )
         header = (
             f"Plan: {plural(len(self.stages), 'stage')} on "
             f"{plural(self.num_streams, 'side stream')} "
@@ -75,10 +93,12 @@ class Plan:
         rows += [(s.name, s.stream_name, str(s.device), f"{s.num_params:,}") for s in self.stages]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines = [header]
-        for row in rows:
+        for row in rows if self.stages else []:
             cells = [row[0].ljust(widths[0]), row[1].rjust(widths[1])]
             cells += [row[2].ljust(widths[2]), row[3].rjust(widths[3])]
             lines.append("  " + "  ".join(cells).rstrip())
+        if self.learned is not None:
+            lines.append(str(self.learned))
         return "\n".join(lines)
 
 
@@ -92,8 +112,32 @@ def check_streams(streams: object, where: str = "streams") -> int:
     return positive_int(streams, where, " (the most side streams to use, e.g. 4)")
 
 
-def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = None) -> Plan:
+# The learned path of ``plan(..., example_inputs=...)``, registered by ``_learn`` when it is
+# imported (``_wrap`` imports it), so that this module stays below the planner it feeds.
+learn_from_example: (
+    Callable[
+        [nn.Module, int, Sequence[str] | None, Sequence[Any] | None, Mapping[str, Any] | None],
+        Plan,
+    ]
+    | None
+) = None
+
+
+def plan(
+    model: nn.Module,
+    streams: int = 4,
+    *,
+    stages: Sequence[str] | None = None,
+    example_inputs: Sequence[Any] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> Plan:
     """Work out the stages of ``model`` and their streams, without touching any device.
+
+    With ``example_inputs`` (or ``example_kwargs``) this is the plan the ``dataflow``
+    planner learns: one forward of a deep copy of ``model`` runs on these inputs under
+    observation (on their device: the CPU, or ``meta`` for a model without data-dependent
+    shapes) and the learned plan is returned, its table in ``print(plan)``. Without them
+    it is the ``static`` plan, described next.
 
     Stage names come from ``stages`` if given, else from ``model.ooo_stage_names``, else
     from automatic expansion: parameter-free children are skipped, ``ModuleList`` and
@@ -106,6 +150,8 @@ def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = N
         model: the model to plan for.
         streams: the most side streams to use, a positive int.
         stages: dotted sub-module names, overriding ``ooo_stage_names`` and expansion.
+        example_inputs: positional inputs of one forward: learn the plan from its dataflow.
+        example_kwargs: keyword inputs of that forward.
 
     Returns:
         The :class:`Plan`; ``print(plan)`` shows it as a table.
@@ -124,6 +170,9 @@ def plan(model: nn.Module, streams: int = 4, *, stages: Sequence[str] | None = N
             f"expected a torch.nn.Module, got {type(model).__name__}; pass the model itself"
         )
     max_streams = check_streams(streams)
+    if example_inputs is not None or example_kwargs is not None:
+        assert learn_from_example is not None, "ooo_wrap._learn registers it on import"
+        return learn_from_example(model, max_streams, stages, example_inputs, example_kwargs)
     source: StageSource
     if stages is not None:
         names, source = as_stage_names(stages, "stages="), "argument"

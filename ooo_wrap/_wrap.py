@@ -19,7 +19,8 @@ from ._classswap import build_original, wrapped_class
 from ._compat import is_compiled_module
 from ._errors import OOOConfigError, OOOError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
-from ._options import WrapOptions
+from ._learn import Learner, finish, named_stages, pending_plan
+from ._options import Planner, WrapOptions
 from ._plan import Plan, plan, plural
 from ._profiling import ProfiledScheduler
 from ._scheduler import Scheduler
@@ -38,13 +39,16 @@ class _WrapState:
     plan: Plan
     options: WrapOptions
     original_class: type[nn.Module]
-    scheduler: Scheduler
+    scheduler: Scheduler | None  # None while the plan is being learned, or with no hooks
     handles: list[RemovableHandle]
     log: EventLog
     counters: Counters
+    backend: Backend
+    learner: Learner | None = None  # the hooks that learn the plan, until it is learned
 
     def events(self) -> tuple[OOOEvent, ...]:
-        self.scheduler.sync_compiled_events()
+        if self.scheduler is not None:
+            self.scheduler.sync_compiled_events()
         return self.log.snapshot()
 
 
@@ -85,13 +89,19 @@ class OOOModule(nn.Module):
 
     Args:
         model: the model to wrap.
-        streams: the most side streams to use; stages take them round-robin.
-        stages: dotted sub-module names to use as stages (see :func:`ooo_wrap.plan`).
+        streams: the most side streams to use.
+        stages: dotted sub-module names to use as stages (see :func:`ooo_wrap.plan`);
+            with the ``dataflow`` planner their streams are still learned.
         backend: where streams come from; the real accelerator by default, or
             :class:`ooo_wrap.testing.SimulatedBackend` to run the hooks on a CPU model.
         profile_ranges: run each stage's forward inside
             ``torch.profiler.record_function("ooo/<stage name>")`` so traces show stage
             names; off by default, and free when off.
+        planner: ``"dataflow"`` (the default) runs the first training forward inline while
+            observing its dataflow, then puts the parallel branches it found on side
+            streams (or, finding none, removes every hook: a ``DISABLED`` event with
+            reason ``no_parallelism``); ``"static"`` uses the stage names or automatic
+            expansion with round-robin streams from the start.
 
     Returns:
         ``model`` itself, wrapped or untouched.
@@ -118,10 +128,11 @@ class OOOModule(nn.Module):
         stages: Sequence[str] | None = None,
         backend: Backend | None = None,
         profile_ranges: bool = False,
+        planner: Planner = "dataflow",
     ) -> Any:
         if cls is not OOOModule:  # OOO<Cls> has its own __new__ (_classswap.py)
             return super().__new__(cls)
-        return _wrap(model, WrapOptions(streams, stages, backend, profile_ranges))
+        return _wrap(model, WrapOptions(streams, stages, backend, profile_ranges, planner))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # type.__call__ calls __init__ on what __new__ returned: the wrapped model, left
@@ -145,8 +156,18 @@ class OOOModule(nn.Module):
 
     @property
     def plan(self) -> Plan:
-        """The stages and the side stream each one runs on."""
+        """The stages and the side stream each one runs on; with the ``dataflow`` planner,
+        before the first training forward, a plan that says it is still to be learned."""
         return _state(self).plan
+
+    def replan(self) -> None:
+        """Learn the plan again on the next training forward (``dataflow`` planner only).
+
+        For models whose structure changes (MoE routing, auxiliary heads switched on).
+        Call it between forwards: the scheduler's hooks are removed now, and the next
+        training forward runs inline while it is observed.
+        """
+        replan(self)
 
     @property
     def stats(self) -> OOOStats:
@@ -278,6 +299,8 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
     reasons = [backend.unsupported_reason(device) for device in _devices(model)]
     if reasons and all(reason is not None for reason in reasons):
         return _device_fallback(model, str(reasons[0]), options)
+    if options.planner == "dataflow":
+        return _wrap_learning(model, options, backend)
     the_plan = plan(model, options.streams, stages=options.stages)
     if len(the_plan.stages) < 2:
         return record_fallback(model, "too_few_stages")
@@ -287,6 +310,56 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
     if reason is not None:
         return _device_fallback(model, reason, options)
     return _install(model, the_plan, options, backend)
+
+
+def _wrap_learning(model: nn.Module, options: WrapOptions, backend: Backend) -> nn.Module:
+    """Wrap with the learner's hooks only; the plan is learned on the first training forward.
+
+    Named stages are checked now (the same errors as the static plan); automatic stages
+    are not known yet, so only a model with no supported device falls back here.
+    """
+    named = named_stages(model, options.streams, options.stages)
+    if named is not None and len(named.stages) < 2:
+        return record_fallback(model, "too_few_stages")
+    devices = [d for d in _devices(model) if backend.unsupported_reason(d) is None]
+    if not devices:  # a model with neither parameters nor buffers
+        return record_fallback(model, "too_few_stages")
+    return _install(model, pending_plan(options.streams), options, backend, devices[0])
+
+
+def replan(model: nn.Module) -> None:
+    """See :meth:`OOOModule.replan`."""
+    state = _state(model)
+    if state.options.planner != "dataflow":
+        raise OOOConfigError(
+            "replan() learns the plan from the dataflow, but this model was wrapped with "
+            "planner='static'; unwrap it and wrap it again with planner='dataflow'"
+        )
+    if state.learner is not None:
+        return  # not learned yet: the next training forward learns it anyway
+    for handle in state.handles:
+        handle.remove()
+    state.handles.clear()
+    state.scheduler = None
+    device = state.plan.devices[0] if state.plan.stages else _devices(model)[0]
+    _start_learner(state, device)
+    assert state.learner is not None
+    state.learner.install(model, state.handles)
+    state.log.add(
+        OOOEvent(EventKind.PLANNED, "replan", "the plan is learned again on the next forward"),
+        level=logging.INFO,
+    )
+
+
+def _start_learner(state: _WrapState, device: torch.device) -> None:
+    options = state.options
+    state.plan = pending_plan(options.streams)
+    learner = Learner(options.streams, options.stages, state.backend, device, state.counters)
+    # The learner holds no reference to the model (a wrap state must not keep it alive).
+    learner.finish = lambda model, the_plan, why: finish(
+        model, _state(model), the_plan, why, start_scheduler
+    )
+    state.learner = learner
 
 
 def _devices(model: nn.Module) -> list[torch.device]:
@@ -337,28 +410,51 @@ def _refuse_nested(model: nn.Module) -> None:
                 )
 
 
-def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Backend) -> nn.Module:
-    """Create streams, register hooks and swap the class; undo all of it on any failure."""
+def start_scheduler(model: nn.Module, state: _WrapState, the_plan: Plan) -> None:
+    """Create the plan's streams and install its scheduler's hooks into ``state``; on any
+    failure, remove the hooks it added and raise."""
+    backend = state.backend
+    streams = [backend.new_stream(the_plan.devices[0]) for _ in range(the_plan.num_streams)]
+    # Picked here, once: without profile_ranges the hooks carry no profiling code.
+    scheduler_class = ProfiledScheduler if state.options.profile_ranges else Scheduler
+    scheduler = scheduler_class(the_plan, streams, backend, state.log, state.counters)
+    added: list[RemovableHandle] = []
+    try:
+        scheduler.install(model, added)
+    except Exception:
+        for handle in added:
+            handle.remove()
+        raise
+    state.handles += added
+    state.plan, state.scheduler = the_plan, scheduler
+
+
+def _install(
+    model: nn.Module,
+    the_plan: Plan,
+    options: WrapOptions,
+    backend: Backend,
+    learn_on: torch.device | None = None,
+) -> nn.Module:
+    """Register hooks (the scheduler's, or the learner's when ``learn_on`` names the device
+    to learn on) and swap the class; undo all of it on any failure."""
     original_class = type(model)
     names_before = _names(model)
     log = EventLog()
-    handles: list[RemovableHandle] = []
+    state = _WrapState(the_plan, options, original_class, None, [], log, Counters(), backend)
     try:
-        device = the_plan.devices[0]
-        streams = [backend.new_stream(device) for _ in range(the_plan.num_streams)]
-        counters = Counters()
-        # Picked here, once: without profile_ranges the hooks carry no profiling code.
-        scheduler_class = ProfiledScheduler if options.profile_ranges else Scheduler
-        scheduler = scheduler_class(the_plan, streams, backend, log, counters)
-        scheduler.install(model, handles)
+        if learn_on is None:
+            start_scheduler(model, state, the_plan)
+        else:
+            _start_learner(state, learn_on)
+            assert state.learner is not None
+            state.learner.install(model, state.handles)
         model.__class__ = wrapped_class(model, original_class, OOOModule)
         if _names(model) != names_before:  # the contract: wrapping renames nothing
             raise RuntimeError("parameter or buffer names changed while wrapping")
-        _wrapped[model] = _WrapState(
-            the_plan, options, original_class, scheduler, handles, log, counters
-        )
+        _wrapped[model] = state
     except Exception as error:
-        for handle in handles:
+        for handle in state.handles:
             handle.remove()
         model.__class__ = original_class
         _wrapped.pop(model, None)
@@ -371,14 +467,18 @@ def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Ba
         _detached[model] = log.snapshot()
         warn_user(f"ooo_wrap: {event.message}")
         return model
-    log.add(
-        OOOEvent(
-            EventKind.ENABLED,
-            backend.name,
+    if learn_on is None:
+        what = (
             f"{plural(len(the_plan.stages), 'stage')} on "
-            f"{plural(the_plan.num_streams, 'side stream')} "
-            f"({device}, {backend.name} backend)",
-        ),
+            f"{plural(the_plan.num_streams, 'side stream')} ({the_plan.devices[0]}"
+        )
+    else:
+        what = (
+            "plan to be learned from the dataflow of the first training forward, which runs "
+            f"inline (at most {plural(options.streams, 'side stream')}; {learn_on}"
+        )
+    log.add(
+        OOOEvent(EventKind.ENABLED, backend.name, f"{what}, {backend.name} backend)"),
         level=logging.INFO,
     )
     return model

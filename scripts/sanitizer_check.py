@@ -129,7 +129,10 @@ def train(
     backend: Any = None,
 ) -> str:
     """``steps`` training steps of ``case`` wrapped; returns a one-line account."""
-    model = ooo_wrap.OOOModule(case.build().to(device), streams=4, backend=backend)
+    # The static plan: the protocol is what is checked, and it forks from the first step.
+    model = ooo_wrap.OOOModule(
+        case.build().to(device), streams=4, backend=backend, planner="static"
+    )
     if not isinstance(model, ooo_wrap.OOOModule):
         events = "; ".join(str(e) for e in ooo_wrap.events_for(model))
         raise RuntimeError(f"{case.name} was not wrapped on {device}: {events}")

@@ -156,6 +156,7 @@ def _suite(args: list[str]) -> int:
             "size": point.spec.size,
             "batch": point.batch,
             "dtype": point.dtype,
+            "planner": kwargs.get("planner"),
             "plain": _side(2.0),
             "wrapped": wrapped,
             "speedup": 1.25,

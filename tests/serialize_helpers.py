@@ -62,6 +62,7 @@ class SwitchableBackend(SimulatedBackend):
 
 def wrapped(**options: Any) -> nn.Module:
     options.setdefault("backend", SimulatedBackend())
+    options.setdefault("planner", "static")  # the copy protocol, from the first forward
     return ooo_wrap.OOOModule(Towers(), **options)  # type: ignore[no-any-return]
 
 

@@ -19,7 +19,7 @@ import torch
 
 import ooo_wrap
 import ooo_wrap.testing
-from benchmarks import report, suite
+from benchmarks import overhead, report, suite
 from benchmarks.measure import Point, measure_point, summarize_times
 from benchmarks.models import ModelSpec
 from ooo_wrap.testing import SimulatedBackend
@@ -87,9 +87,16 @@ def test_summarize_times() -> None:
 def test_measure_point_on_cpu_with_virtual_streams(dtype: Any) -> None:
     spec = SMALL["towers"]
     record = measure_point(
-        Point(spec, 2, dtype), CPU, warmup=2, steps=3, mem_steps=1, backend=SimulatedBackend()
+        Point(spec, 2, dtype),
+        CPU,
+        warmup=2,
+        steps=3,
+        mem_steps=1,
+        backend=SimulatedBackend(),
+        planner="static",
     )
     assert record["model"] == "towers" and record["batch"] == 2 and record["dtype"] == dtype
+    assert record["planner"] == "static"
     for side in ("plain", "wrapped"):
         s = record[side]
         assert len(s["warmup_ms"]) == 2 and len(s["first_steps_ms"]) == 1
@@ -111,6 +118,45 @@ def test_measure_point_on_cpu_with_virtual_streams(dtype: Any) -> None:
     }
     assert record["memory_ratio"] is None and record["reserved_ratio"] is None
     assert wrapped["final_loss"] == record["plain"]["final_loss"]  # same math on the CPU
+
+
+def test_measure_point_with_the_learned_plan_learns_in_warmup() -> None:
+    record = measure_point(
+        Point(SMALL["towers"], 2, "float32"),
+        CPU,
+        warmup=1,
+        steps=2,
+        mem_steps=1,
+        backend=SimulatedBackend(),
+    )
+    wrapped = record["wrapped"]
+    assert record["planner"] == "dataflow" and wrapped["active"]
+    assert any("planned/learned" in event for event in wrapped["events"])
+    learned_stages = wrapped["stages"]
+    # Steady state after the warm-up step that learned: every stage call forks and joins.
+    assert wrapped["stats_per_step"]["stage_calls"] == learned_stages
+    assert wrapped["stats_per_step"]["forwards"] == (1 if learned_stages else 0)
+    assert wrapped["final_loss"] == record["plain"]["final_loss"]
+
+
+def test_the_suite_measures_both_planners_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+
+    def measure(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
+        seen.append(kwargs["planner"])
+        record = fake_record("towers", TARGET, point.batch, 1.1)
+        record["planner"] = kwargs["planner"]
+        return record
+
+    data, _ = _run(monkeypatch, "16,32", measure, planner="both")
+    assert seen == ["dataflow", "static", "dataflow", "static"]
+    assert [(r["batch"], r["planner"]) for r in data["results"]] == [
+        (16, "dataflow"),
+        (16, "static"),
+        (32, "dataflow"),
+        (32, "static"),
+    ]
+    assert "[dataflow]" in report.markdown_table(data["results"])
 
 
 def test_measure_point_rejects_no_steps() -> None:
@@ -274,7 +320,11 @@ def _fake_measure(point: Point, device: torch.device, **kwargs: Any) -> dict[str
 
 
 def _run(
-    monkeypatch: pytest.MonkeyPatch, batches: str, measure: Any = _fake_measure, **kwargs: Any
+    monkeypatch: pytest.MonkeyPatch,
+    batches: str,
+    measure: Any = _fake_measure,
+    planner: str = "static",
+    **kwargs: Any,
 ) -> tuple[dict[str, Any], argparse.Namespace]:
     monkeypatch.setattr(suite, "measure_point", measure)
     env = {"date_utc": "2026-12-01T07:00:00+00:00", "gpu": "test", "torch": "2.11.0"}
@@ -282,7 +332,7 @@ def _run(
     monkeypatch.setattr(suite, "environment", lambda argv: env)
     monkeypatch.setattr(suite.overhead, "measure", lambda repeats, calls: dict(HOST))
     flags = f"--models towers --dtypes float32 --towers-widths 2048 --towers-batches {batches}"
-    args = suite.parse_args(flags.split())
+    args = suite.parse_args([*flags.split(), "--planner", planner])
     return suite.run_gpu(args, [], device=CPU, **kwargs), args
 
 
@@ -355,7 +405,17 @@ def _pretend_gpu(monkeypatch: pytest.MonkeyPatch, measure: Any) -> None:
     monkeypatch.setattr(suite.torch.cuda, "get_device_capability", lambda index=None: (9, 0))
 
 
-FLAGS = ["--models", "towers", "--dtypes", "float32", "--towers-widths", "2048", "--towers-batches"]
+FLAGS = [
+    "--planner",
+    "static",
+    "--models",
+    "towers",
+    "--dtypes",
+    "float32",
+    "--towers-widths",
+    "2048",
+    "--towers-batches",
+]
 
 
 def test_a_fallback_or_a_failure_fails_the_run_but_keeps_the_json(
@@ -470,7 +530,7 @@ def test_the_wrapper_without_its_fork_wait_is_a_race_the_cpu_detector_sees(broke
     spec = SMALL["towers"]
     x, y = spec.make_batch(2)
     with ooo_wrap.testing.detect(backend_class()) as found:
-        model = ooo_wrap.OOOModule(spec.build(), streams=3, backend=found.backend)
+        model = ooo_wrap.OOOModule(spec.build(), streams=3, backend=found.backend, planner="static")
         found.keep_alive(model)
         spec.loss(model(x), y).backward()
     waits = [call for call in found.backend.log if call.op == "wait_event"]
@@ -521,3 +581,10 @@ def test_sanitizer_check_verdict(
     else:
         assert status == 1 and "NOT FLAGGED (must be): a two-stream program" in out
         assert "1/2 broken runs flagged" in verdict
+
+
+def test_a_learned_no_parallelism_chain_makes_no_backend_call() -> None:
+    result = overhead.measure_no_parallelism(repeats=3, calls=5, warmup=5)
+    assert result["backend_calls_per_forward"] == 0
+    assert result["plain_us_per_forward"] > 0 and result["wrapped_us_per_forward"] > 0
+    assert result["plain_iqr_us"] >= 0

@@ -36,7 +36,9 @@ def test_one_gradient_handed_to_two_consumers_is_no_race(swap: bool) -> None:
     # a's input buffer runs on a's stream whichever operand came first.
     torch.manual_seed(0)
     stages = ["branches.0", "branches.1"]
-    report = check(Fuse(swap), torch.randn(4, 8), streams=2, stages=stages, steps=1)
+    report = check(
+        Fuse(swap), torch.randn(4, 8), streams=2, stages=stages, steps=1, planner="static"
+    )
     assert report.ok, str(report)
     rows = {row.stream: row for row in report.ops}
     assert rows["side1"].backward > 0 and rows["side2"].backward > 0
@@ -58,7 +60,7 @@ class HookedOutput(nn.Module):
 
 
 def test_a_tensor_hook_on_a_stage_output_runs_on_the_consuming_nodes_stream() -> None:
-    report = check(HookedOutput(), torch.randn(4, 8), streams=2)
+    report = check(HookedOutput(), torch.randn(4, 8), streams=2, planner="static")
     assert report.ok, str(report)
     hooked = [r for r in report.trace if r.phase == "backward" and r.op == "aten.mul.Tensor"]
     assert {(r.stream, r.stage) for r in hooked} == {("side1", "a")}
@@ -151,7 +153,7 @@ def test_the_report_notes_a_torch_outside_the_checked_range(
 ) -> None:
     monkeypatch.setattr(torch, "__version__", version)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # two stages: really checked
-    report = check(model, torch.randn(2, 4), streams=2, steps=1)
+    report = check(model, torch.randn(2, 4), streams=2, steps=1, planner="static")
     notes = [note for note in report.notes if "engine model was checked against" in note]
     if noted:
         assert notes == [

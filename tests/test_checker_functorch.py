@@ -25,7 +25,7 @@ class PerSample(nn.Module):
 
 
 def test_a_stage_called_under_vmap_passes_the_check() -> None:
-    report = check(PerSample(), torch.randn(3, 4), streams=2)
+    report = check(PerSample(), torch.randn(3, 4), streams=2, planner="static")
     assert report.ok, str(report)
     rows = {row.stream: row for row in report.ops}
     assert rows["side2"].forward > 0 and rows["side2"].backward > 0
@@ -45,7 +45,7 @@ def test_a_wrapped_model_under_func_grad_and_vmap() -> None:
     torch.manual_seed(0)
     plain = Two()
     backend = DetectingBackend()
-    wrapped = ooo_wrap.OOOModule(Two(), streams=2, backend=backend)
+    wrapped = ooo_wrap.OOOModule(Two(), streams=2, backend=backend, planner="static")
     wrapped.load_state_dict(plain.state_dict())
     x = torch.randn(3, 4)
     params = dict(wrapped.named_parameters())

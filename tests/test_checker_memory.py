@@ -80,7 +80,7 @@ def _remember_scale(module: nn.Module, args: object, output: torch.Tensor) -> No
 def test_a_side_channel_tensor_made_in_a_stage_is_an_allocator_hazard() -> None:
     model = SideChannel()
     model.a.register_forward_hook(_remember_scale)
-    report = check(model, torch.randn(3, 4), streams=2, steps=1)
+    report = check(model, torch.randn(3, 4), streams=2, steps=1, planner="static")
     assert ("aten.mul.Tensor", "default", "side1") in [
         (h.access.op, h.access.stream, h.allocated_on) for h in report.allocator_hazards
     ], str(report)
@@ -193,7 +193,7 @@ class Halves(nn.Module):
 
 
 def test_a_model_writing_its_halves_on_two_streams_is_clean() -> None:
-    report = check(Halves(), torch.randn(3, 4), streams=2)
+    report = check(Halves(), torch.randn(3, 4), streams=2, planner="static")
     assert report.ok, str(report)
     rows = {row.stream: row for row in report.ops}
     assert rows["side1"].forward > 0 and rows["side2"].forward > 0

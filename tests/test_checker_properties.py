@@ -1,5 +1,8 @@
 """Random models from a small grammar pass check() with bitwise parity.
 
+Checked with the static plan (round-robin, and with every layer named as a stage) and with
+the plan the dataflow planner learns on the first step.
+
 Grammar: a stem, then layers (a block, a residual block, parallel branches merged by sum or
 concat, a stage used twice), then a head (a tensor, a tuple, or a ModuleDict of heads
 returned as a dict). Blocks: linear+tanh, an MLP with dropout, a block called with a
@@ -9,8 +12,9 @@ whole forward runs under CPU autocast to bfloat16.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+from unittest import mock
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
+from ooo_wrap import _learn
 from ooo_wrap.testing import check
 
 WIDTH = 8
@@ -152,7 +157,7 @@ _settings = settings(
 def test_random_models_pass_with_bitwise_parity(spec: Spec) -> None:
     torch.manual_seed(0)
     model = GrammarModel(spec)
-    report = check(model, torch.randn(4, WIDTH), streams=spec.streams, steps=2)
+    report = check(model, torch.randn(4, WIDTH), streams=spec.streams, steps=2, planner="static")
     assert report.ok, f"{spec}\n{report}"
     assert report.parity and all(entry.max_abs_diff == 0.0 for entry in report.parity)
     used = {row.stream for row in report.ops if row.forward and row.stream != "default"}
@@ -177,6 +182,36 @@ def test_random_models_with_a_custom_loss_and_explicit_stages(spec: Spec, steps:
         tensors = [output] if isinstance(output, torch.Tensor) else list(tensors)
         return sum((t.float().pow(2).mean() for t in tensors), torch.zeros(()))
 
-    report = check(model, torch.randn(3, WIDTH), loss_fn=loss_fn, stages=stages, steps=steps)
+    report = check(
+        model, torch.randn(3, WIDTH), loss_fn=loss_fn, stages=stages, steps=steps, planner="static"
+    )
     assert report.ok, f"{spec}\n{report}"
     assert report.steps == steps
+
+
+# Structure only: these models are far too small for any fork to pay on a real GPU, so the
+# learner's reference GPU gets a near-free fork; the plan it learns is then checked as is.
+_FREE_FORK = replace(_learn.REFERENCE_GPU, fork_join_us=1e-6)
+
+
+@settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(spec=specs)
+def test_random_models_pass_with_the_learned_plan(spec: Spec) -> None:
+    torch.manual_seed(2)
+    model = GrammarModel(spec)
+    x = torch.randn(4, WIDTH)
+    with mock.patch.object(_learn, "REFERENCE_GPU", _FREE_FORK):
+        learned = ooo_wrap.plan(model, spec.streams, example_inputs=(x,))
+        report = check(model, x, streams=spec.streams, steps=3)
+    assert learned.learned is not None
+    edges = learned.learned.count_edges(learned.learned.stage_streams)
+    assert edges.chain_splits == 0, f"{spec}\n{learned}"
+    assert report.ok, f"{spec}\n{report}"
+    assert report.parity and all(entry.max_abs_diff == 0.0 for entry in report.parity)
+    used = {row.stream for row in report.ops if row.forward and row.stream != "default"}
+    assert len(used) == learned.num_streams, f"{spec}\n{learned}\n{report}"
+    has_parallel = any(layer == "parallel" for layer, _, _ in spec.layers)
+    if not has_parallel:
+        assert not learned.learned.regions or learned.stages, str(learned)

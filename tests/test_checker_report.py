@@ -34,7 +34,7 @@ class Towers(nn.Module):
 
 
 def test_a_correct_model_gets_an_ok_report() -> None:
-    report = check(Towers(), torch.randn(3, 6))
+    report = check(Towers(), torch.randn(3, 6), planner="static")
     assert report.ok
     report.raise_if_failed()
     names = {entry.name for entry in report.parity}
@@ -53,7 +53,7 @@ def test_the_callers_model_inputs_and_random_state_are_untouched() -> None:
     x = torch.randn(3, 6, requires_grad=True)
     state = {key: value.clone() for key, value in model.state_dict().items()}
     rng = torch.random.get_rng_state()
-    check(model, x)
+    check(model, x, planner="static")
     assert type(model) is Towers and not isinstance(model, ooo_wrap.OOOModule)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters()) and x.grad is None
@@ -92,11 +92,11 @@ def _racy_report() -> CheckReport:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(check_module, "DetectingBackend", NoJoin)
-        return check(Chain(), torch.randn(2, 4))
+        return check(Chain(), torch.randn(2, 4), planner="static")
 
 
 def test_save_trace_writes_one_track_per_stream_in_stream_order(tmp_path: Path) -> None:
-    report = check(Towers(), torch.randn(3, 6))
+    report = check(Towers(), torch.randn(3, 6), planner="static")
     path = tmp_path / "trace.json"
     report.save_trace(path)
     trace = json.loads(path.read_text())
@@ -126,19 +126,23 @@ def test_parity_entries_flag_differences() -> None:
 
 
 def test_check_rejects_bad_arguments() -> None:
-    wrapped = ooo_wrap.OOOModule(Towers(), backend=ooo_wrap.testing.SimulatedBackend())
+    wrapped = ooo_wrap.OOOModule(
+        Towers(), backend=ooo_wrap.testing.SimulatedBackend(), planner="static"
+    )
     with pytest.raises(ooo_wrap.OOOConfigError, match="unwrap"):
-        check(wrapped, torch.randn(3, 6))
+        check(wrapped, torch.randn(3, 6), planner="static")
     with pytest.raises(ooo_wrap.OOOConfigError, match="steps"):
-        check(Towers(), torch.randn(3, 6), steps=0)
+        check(Towers(), torch.randn(3, 6), steps=0, planner="static")
     with pytest.raises(ooo_wrap.OOOConfigError, match="loss_fn"):
         check(
-            nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)).requires_grad_(False), torch.ones(1, 6)
+            nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)).requires_grad_(False),
+            torch.ones(1, 6),
+            planner="static",
         )
 
 
 def test_a_model_that_falls_back_is_not_reported_ok_and_says_why() -> None:
-    report = check(nn.Sequential(nn.Linear(6, 6)), torch.randn(2, 6))
+    report = check(nn.Sequential(nn.Linear(6, 6)), torch.randn(2, 6), planner="static")
     assert not report.ok
     assert report.not_checked is not None
     assert "too_few_stages" in report.not_checked
@@ -151,13 +155,13 @@ def test_a_model_that_falls_back_is_not_reported_ok_and_says_why() -> None:
 
 
 def test_a_wrapped_model_is_checked() -> None:
-    report = check(Towers(), torch.randn(3, 6))
+    report = check(Towers(), torch.randn(3, 6), planner="static")
     assert report.not_checked is None
     assert report.ok, str(report)
 
 
 def test_the_verdict_counts_in_the_singular_and_plural() -> None:
-    report = check(Towers(), torch.randn(3, 6), steps=1)
+    report = check(Towers(), torch.randn(3, 6), steps=1, planner="static")
     assert str(report).splitlines()[0] == (
         "ooo_wrap check: OK (1 step; 0 races, 0 allocator hazards, 0 parity mismatches)"
     )

@@ -65,7 +65,9 @@ def _pair(where: str, use_reentrant: bool) -> tuple[nn.Module, nn.Module, Simula
     plain = Net(where, use_reentrant)
     torch.manual_seed(0)
     backend = SimulatedBackend()
-    wrapped = ooo_wrap.OOOModule(Net(where, use_reentrant), streams=2, backend=backend)
+    wrapped = ooo_wrap.OOOModule(
+        Net(where, use_reentrant), streams=2, backend=backend, planner="static"
+    )
     return plain, wrapped, backend
 
 
@@ -169,7 +171,7 @@ def test_autocast_and_grad_scaler_loop_keeps_bitwise_parity() -> None:
     torch.manual_seed(0)
     plain = Mixed()
     torch.manual_seed(0)
-    wrapped = ooo_wrap.OOOModule(Mixed(), streams=2, backend=SimulatedBackend())
+    wrapped = ooo_wrap.OOOModule(Mixed(), streams=2, backend=SimulatedBackend(), planner="static")
     assert torch.amp.GradScaler("cpu").is_enabled()  # supported on the CPU: not a no-op
     expected, expected_scales, expected_dtypes = _amp_loop(plain)
     got, scales, dtypes = _amp_loop(wrapped)
@@ -188,7 +190,7 @@ def test_checkpointed_model_passes_the_race_check(where: str, use_reentrant: boo
     # The recomputation runs in backward: every op of it must still be ordered on the
     # virtual streams (vector clocks), with record_stream where tensors cross streams.
     model = Net(where, use_reentrant)
-    report = check(model, torch.randn(5, 12), streams=2)
+    report = check(model, torch.randn(5, 12), streams=2, planner="static")
     assert report.ok, str(report)
     # After each backward the caller's stream is current again: the SGD step (one add_
     # per parameter) runs there, and nothing after backward is labelled backward.
@@ -204,7 +206,7 @@ def test_checkpointed_model_passes_the_race_check(where: str, use_reentrant: boo
 
 def test_autocast_model_passes_the_race_check() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        report = check(Mixed(), torch.randn(5, 12), streams=2)
+        report = check(Mixed(), torch.randn(5, 12), streams=2, planner="static")
     assert report.ok, str(report)
 
 
@@ -214,7 +216,7 @@ def test_checkpoint_on_gpu_matches_plain(where: str) -> None:
     torch.manual_seed(0)
     plain = Net(where).cuda()
     torch.manual_seed(0)
-    wrapped = ooo_wrap.OOOModule(Net(where).cuda(), streams=2)
+    wrapped = ooo_wrap.OOOModule(Net(where).cuda(), streams=2, planner="static")
     assert wrapped.events[-1].kind is ooo_wrap.EventKind.ENABLED
     expected = _train_checkpointed(plain, seed=1, device="cuda")
     got = _train_checkpointed(wrapped, seed=1, device="cuda")
@@ -227,7 +229,7 @@ def test_autocast_and_grad_scaler_on_gpu_match_plain() -> None:
     torch.manual_seed(0)
     plain = Mixed().cuda()
     torch.manual_seed(0)
-    wrapped = ooo_wrap.OOOModule(Mixed().cuda(), streams=2)
+    wrapped = ooo_wrap.OOOModule(Mixed().cuda(), streams=2, planner="static")
     assert wrapped.events[-1].kind is ooo_wrap.EventKind.ENABLED
     expected, expected_scales, _ = _amp_loop(plain, "cuda")
     got, scales, _ = _amp_loop(wrapped, "cuda")
@@ -255,7 +257,7 @@ class TiedAcrossStages(nn.Module):
 def test_autocast_weight_tied_across_stages_passes_the_race_check() -> None:
     # Without care the copy cast in stage a (on its stream) is read by stage b on another
     # stream, and freed into a's pool while b's backward may still read it.
-    report = check(TiedAcrossStages(), torch.randn(5, 12), streams=2)
+    report = check(TiedAcrossStages(), torch.randn(5, 12), streams=2, planner="static")
     assert report.ok, str(report)
 
 
@@ -263,7 +265,7 @@ def test_without_sharing_a_stream_the_tied_autocast_copy_is_a_hazard(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(scheduler_module, "_pair_tied_stages", lambda model, stages: False)
-    report = check(TiedAcrossStages(), torch.randn(5, 12), streams=2)
+    report = check(TiedAcrossStages(), torch.randn(5, 12), streams=2, planner="static")
     assert any(
         (h.allocated_on, h.access.stream, h.access.stage) == ("side1", "side2", "b")
         for h in report.allocator_hazards
@@ -273,7 +275,9 @@ def test_without_sharing_a_stream_the_tied_autocast_copy_is_a_hazard(
 def test_autocast_weight_tied_across_stages_keeps_bitwise_parity() -> None:
     torch.manual_seed(0)
     plain = TiedAcrossStages()
-    wrapped = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=2, backend=SimulatedBackend())
+    wrapped = ooo_wrap.OOOModule(
+        copy.deepcopy(plain), streams=2, backend=SimulatedBackend(), planner="static"
+    )
     x = torch.randn(5, 12)
     out, expected = wrapped(x), plain(x)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)

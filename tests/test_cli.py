@@ -34,13 +34,13 @@ from tests.cli_helpers import PROG, ROOT, doc_commands, run_cli
     ],
 )
 def test_plan_prints_the_plan_table(argv: list[str], expected: Any) -> None:
-    result = run_cli("plan", *argv)
+    result = run_cli("plan", *argv, "--planner", "static")
     assert (result.status, result.err) == (0, "")
     assert result.out == f"{expected()}\n"
 
 
 def test_plan_notes_a_model_that_would_be_left_untouched() -> None:
-    result = run_cli("plan", "tests.cli_factories:single_stage")
+    result = run_cli("plan", "tests.cli_factories:single_stage", "--planner", "static")
     assert result.status == 0
     assert result.out.startswith("Plan: 1 stage on 1 side stream (")
     assert result.out.splitlines()[-1].startswith("note: fewer than two stages")
@@ -219,6 +219,7 @@ def test_the_console_script_finds_modules_in_the_current_directory(
 def test_python_dash_m_in_a_subprocess() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "ooo_wrap", "plan", "examples.quickstart:build_model"]
+    command += ["--planner", "static"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == f"{ooo_wrap.plan(quickstart.build_model())}\n"

@@ -16,7 +16,7 @@ from tests.cli_helpers import doc_commands, run_cli
 def _direct_check(model: torch.nn.Module, *inputs: torch.Tensor) -> object:
     from ooo_wrap.testing import check  # type: ignore[attr-defined]
 
-    return check(model, *inputs)
+    return check(model, *inputs, planner="static")
 
 
 @pytest.mark.parametrize(
@@ -48,13 +48,15 @@ def test_a_finding_exits_1_and_prints_the_report() -> None:
     # A stage output hidden in an opaque object gets no record_stream for the caller's
     # stream: a cross-stream use the checker reports.
     assert not _direct_check(Leaky(), torch.randn(4, 8)).ok  # type: ignore[attr-defined]
-    result = run_cli("check", "tests.cli_factories:Leaky", "--input", "4x8")
+    result = run_cli("check", "tests.cli_factories:Leaky", "--input", "4x8", "--planner", "static")
     assert result.status == 1, result.err
     assert result.out.strip()
 
 
 def test_a_model_that_falls_back_exits_1_saying_nothing_was_checked() -> None:
-    result = run_cli("check", "tests.cli_factories:single_stage", "--input", "2x4")
+    result = run_cli(
+        "check", "tests.cli_factories:single_stage", "--input", "2x4", "--planner", "static"
+    )
     assert result.status == 1, result.err
     first = result.out.splitlines()[0]
     assert first.startswith("ooo_wrap check: NOT CHECKED: the wrapper fell back")

@@ -63,9 +63,15 @@ def test_check_passes_a_plain_cpu_model_inputs_and_options(fake_check: FakeCheck
     assert type(model) is quickstart.Towers  # plain: the checker wraps it itself
     assert next(model.parameters()).device.type == "cpu"
     assert [(x.shape, x.dtype) for x in inputs] == [(torch.Size([8, 64]), torch.float32)]
-    assert options == {"streams": 2, "stages": ["towers.0", "towers.1"], "steps": 3}
+    expected = {"streams": 2, "stages": ["towers.0", "towers.1"], "steps": 3}
+    assert options == {**expected, "planner": "dataflow"}
     run_cli("check", "examples.quickstart:build_model", "--input", "8x64")
-    assert fake_check.calls[1][2] == {"streams": 4, "stages": None, "steps": 2}
+    assert fake_check.calls[1][2] == {
+        "streams": 4,
+        "stages": None,
+        "steps": 2,
+        "planner": "dataflow",
+    }
 
 
 def test_check_gets_a_plain_model_from_a_factory_that_wraps(fake_check: FakeCheck) -> None:

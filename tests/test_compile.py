@@ -48,7 +48,7 @@ def _pair() -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     plain = Heads()
     torch.manual_seed(0)
-    wrapped = ooo_wrap.OOOModule(Heads(), streams=2, backend=SimulatedBackend())
+    wrapped = ooo_wrap.OOOModule(Heads(), streams=2, backend=SimulatedBackend(), planner="static")
     return plain, wrapped
 
 
@@ -158,7 +158,9 @@ def test_compiled_wrapped_matches_compiled_plain_inductor() -> None:
 def test_compiled_wrapped_on_gpu_matches_compiled_plain() -> None:
     plain, wrapped = _pair()
     plain.cuda()
-    wrapped = ooo_wrap.OOOModule(wrapped.unwrap().cuda(), streams=2)  # real streams
+    wrapped = ooo_wrap.OOOModule(
+        wrapped.unwrap().cuda(), streams=2, planner="static"
+    )  # real streams
     assert wrapped.events[-1].kind is ooo_wrap.EventKind.ENABLED
     batches = [torch.randn(4, 8, device="cuda") for _ in range(2)]
     expected = _train(plain, torch.compile(plain), batches)

@@ -39,7 +39,8 @@ def test_off_by_default_returns_the_model_untouched(config: dict[str, Any]) -> N
 @pytest.mark.usefixtures("simulated_default_backend")
 def test_on_wraps_with_the_configured_streams() -> None:
     model = Towers(n=3)
-    result = ooo_wrap.from_config(model, {"ooo_backprop": True, "ooo_streams": 2, "lr": 3e-4})
+    config = {"ooo_backprop": True, "ooo_streams": 2, "ooo_planner": "static", "lr": 3e-4}
+    result = ooo_wrap.from_config(model, config)
     assert result is model
     assert isinstance(model, OOOModule)
     assert model.plan.max_streams == 2
@@ -51,7 +52,7 @@ def test_on_wraps_with_the_configured_streams() -> None:
 @pytest.mark.usefixtures("simulated_default_backend")
 def test_on_defaults_to_four_streams() -> None:
     model = Towers(n=5)
-    ooo_wrap.from_config(model, {"ooo_backprop": True})
+    ooo_wrap.from_config(model, {"ooo_backprop": True, "ooo_planner": "static"})
     assert model.plan.max_streams == 4
     assert model.plan.num_streams == 4
     model(two_tower_input(dim=6))
@@ -121,6 +122,8 @@ def test_unknown_ooo_key_is_an_error_even_when_off() -> None:
         ({"ooo_backprop": True, "ooo_streams": 0}, "0"),
         ({"ooo_backprop": True, "ooo_streams": True}, "True"),
         ({"ooo_backprop": True, "ooo_streams": 2.5}, "2.5"),
+        ({"ooo_backprop": True, "ooo_planner": "round_robin"}, "'round_robin'"),
+        ({"ooo_backprop": True, "ooo_planner": None}, "None"),
     ],
 )
 @pytest.mark.usefixtures("simulated_default_backend")
@@ -130,6 +133,14 @@ def test_wrong_types_are_errors_naming_the_value(config: dict[str, Any], offende
         ooo_wrap.from_config(model, config)
     assert f"got {offender}" in str(info.value)
     assert type(model) is TwoTowers
+
+
+@pytest.mark.usefixtures("simulated_default_backend")
+def test_the_planner_is_dataflow_unless_the_config_says_static() -> None:
+    learning = ooo_wrap.from_config(Towers(n=3), {"ooo_backprop": True})
+    assert isinstance(learning, OOOModule) and learning.plan.pending
+    static = ooo_wrap.from_config(Towers(n=3), {"ooo_backprop": True, "ooo_planner": "static"})
+    assert isinstance(static, OOOModule) and static.plan.source == "automatic"
 
 
 def test_config_must_be_a_mapping() -> None:

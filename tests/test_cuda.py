@@ -96,7 +96,7 @@ def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _wrap_copy(plain: nn.Module) -> ooo_wrap.OOOModule:
-    wrapped = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4)
+    wrapped = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4, planner="static")
     assert isinstance(wrapped, ooo_wrap.OOOModule), ooo_wrap.events_for(wrapped)
     return wrapped
 
@@ -195,6 +195,24 @@ def test_stages_run_forward_and_backward_on_side_streams() -> None:
     assert model.stats.stage_calls == len(names)
 
 
+def test_the_learned_plan_runs_on_side_streams_from_the_second_step() -> None:
+    torch.manual_seed(0)
+    plain = quickstart.build_model().to(DEVICE)
+    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4)  # the dataflow planner
+    assert isinstance(model, ooo_wrap.OOOModule) and model.plan.pending
+    x = quickstart.example_input(16).to(DEVICE)
+    for step in range(3):
+        model(x).sum().backward()
+        plain(x).sum().backward()
+        if step == 0:
+            assert model.plan.stages and model.stats.stage_calls == 0  # learned inline
+    torch.cuda.synchronize()
+    assert model.stats.stage_calls == 2 * len(model.plan.stages)
+    for (name, w), (_, p) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
+        assert w.grad is not None and p.grad is not None
+        assert torch.equal(w.grad, p.grad), name
+
+
 def test_profiler_sees_kernels_on_the_side_streams(tmp_path: Path) -> None:
     spec = ModelSpec.towers(4, 512, 3)
     model = _wrap_copy(spec.build().to(DEVICE))
@@ -218,7 +236,7 @@ def test_profiler_sees_kernels_on_the_side_streams(tmp_path: Path) -> None:
 
 def test_cpu_model_falls_back_even_with_cuda_present() -> None:
     model = quickstart.build_model()
-    result: nn.Module = ooo_wrap.OOOModule(model, streams=4)
+    result: nn.Module = ooo_wrap.OOOModule(model, streams=4, planner="static")
     assert result is model
     assert type(result) is quickstart.Towers
     assert [(e.kind, e.reason) for e in ooo_wrap.events_for(result)] == [
@@ -228,7 +246,7 @@ def test_cpu_model_falls_back_even_with_cuda_present() -> None:
 
 def test_single_stage_model_on_cuda_falls_back() -> None:
     model = nn.Sequential(nn.Linear(8, 8)).to(DEVICE)
-    result: nn.Module = ooo_wrap.OOOModule(model, streams=4)
+    result: nn.Module = ooo_wrap.OOOModule(model, streams=4, planner="static")
     assert result is model and not isinstance(result, ooo_wrap.OOOModule)
     assert ooo_wrap.events_for(result)[-1].reason == "too_few_stages"
 
@@ -439,7 +457,9 @@ def test_a_dropped_stage_output_is_not_reused_while_the_caller_still_reads_it(
     backend = AcceleratorBackend()
     if output_record_stream == "removed":
         backend = _WithoutOutputRecordStream(ambient)
-    model = ooo_wrap.OOOModule(_TwoStages().to(DEVICE), streams=2, backend=backend)
+    model = ooo_wrap.OOOModule(
+        _TwoStages().to(DEVICE), streams=2, backend=backend, planner="static"
+    )
     assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
     stage = model.get_submodule("stages.0")
     seen: list[torch.cuda.Stream] = []

@@ -81,7 +81,9 @@ def _ddp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]:
         torch.manual_seed(0)
         plain = Branches().to(device)
         torch.manual_seed(0)
-        wrapped = ooo_wrap.OOOModule(Branches().to(device), streams=2, backend=backend)
+        wrapped = ooo_wrap.OOOModule(
+            Branches().to(device), streams=2, backend=backend, planner="static"
+        )
         plain_history = _train(plain, mode, rank, device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -98,7 +100,9 @@ def _ddp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]:
             "class": (type(wrapped).__name__, type(wrapped).__qualname__),
         }
     try:
-        ooo_wrap.OOOModule(DistributedDataParallel(Branches()), backend=SimulatedBackend())
+        ooo_wrap.OOOModule(
+            DistributedDataParallel(Branches()), backend=SimulatedBackend(), planner="static"
+        )
     except ooo_wrap.OOOConfigError as error:
         results["ddp_first_error"] = str(error)
     return results

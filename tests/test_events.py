@@ -15,6 +15,7 @@ from ooo_wrap._events import EventLog
 def test_event_kinds_values_and_str() -> None:
     assert {kind.name: kind.value for kind in EventKind} == {
         "ENABLED": "enabled",
+        "PLANNED": "planned",
         "DISABLED": "disabled",
         "SETUP_FAILED": "setup_failed",
         "BYPASSED": "bypassed",

@@ -72,7 +72,7 @@ def test_cpu_model_with_the_default_backend_is_untouched() -> None:
     hooks = hook_snapshot(model)
     assert hook_count(model) == 0
 
-    assert OOOModule(model, streams=2) is model
+    assert OOOModule(model, streams=2, planner="static") is model
 
     assert_untouched(model, Towers, hooks)
     assert hook_count(model) == 0
@@ -86,7 +86,7 @@ def test_cpu_model_with_the_default_backend_is_untouched() -> None:
 def test_model_on_a_device_without_streams_is_untouched() -> None:
     model = Towers().to("meta")
     hooks = hook_snapshot(model)
-    assert OOOModule(model) is model
+    assert OOOModule(model, planner="static") is model
     assert_untouched(model, Towers, hooks)
     event = only_event(model)
     assert (event.kind, event.reason) == (EventKind.DISABLED, "no_accelerator")
@@ -96,7 +96,7 @@ def test_stages_on_two_devices_are_untouched() -> None:
     model = make_two_towers()
     model.towers[1].to("meta")  # model parallel: one tower elsewhere
     hooks = hook_snapshot(model)
-    assert OOOModule(model, backend=SimulatedBackend()) is model
+    assert OOOModule(model, backend=SimulatedBackend(), planner="static") is model
     assert_untouched(model, TwoTowers, hooks)
     event = only_event(model)
     assert (event.kind, event.reason) == (EventKind.DISABLED, "multi_device")
@@ -116,7 +116,7 @@ def test_stages_on_two_devices_are_untouched() -> None:
 def test_fewer_than_two_stages_is_untouched(model: nn.Module, stages: list[str] | None) -> None:
     cls, hooks = type(model), hook_snapshot(model)
     backend = SimulatedBackend(keep_all=True)
-    assert OOOModule(model, backend=backend, stages=stages) is model
+    assert OOOModule(model, backend=backend, stages=stages, planner="static") is model
     assert_untouched(model, cls, hooks)
     event = only_event(model)
     assert (event.kind, event.reason) == (EventKind.DISABLED, "too_few_stages")
@@ -128,7 +128,7 @@ def test_fallback_is_logged_at_info_on_the_ooo_wrap_logger(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO, logger="ooo_wrap"):
-        OOOModule(Towers())
+        OOOModule(Towers(), planner="static")
     records = [r for r in caplog.records if r.name == "ooo_wrap"]
     assert len(records) == 1
     assert records[0].levelno == logging.INFO
@@ -147,7 +147,7 @@ def accelerator_available(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_wrapping_on_the_cpu_next_to_an_accelerator_warns_once_naming_the_fix() -> None:
     model = Towers()
     with pytest.warns(UserWarning, match=r"move it first, then wrap") as caught:
-        assert OOOModule(model, streams=2) is model
+        assert OOOModule(model, streams=2, planner="static") is model
     (warning,) = caught
     assert "cuda accelerator is available" in str(warning.message)
     assert "OOOModule(model.to('cuda'), ...)" in str(warning.message)
@@ -155,15 +155,17 @@ def test_wrapping_on_the_cpu_next_to_an_accelerator_warns_once_naming_the_fix() 
     assert only_event(model).reason == "cpu"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        OOOModule(Towers())  # once: the second model falls back quietly
+        OOOModule(Towers(), planner="static")  # once: the second model falls back quietly
 
 
 @pytest.mark.usefixtures("accelerator_available")
 def test_no_warning_with_a_backend_given_or_for_other_reasons() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        OOOModule(nn.Sequential(nn.Linear(4, 4)), backend=SimulatedBackend())  # too_few
-        OOOModule(Towers().to("meta"))  # no_accelerator
+        OOOModule(
+            nn.Sequential(nn.Linear(4, 4)), backend=SimulatedBackend(), planner="static"
+        )  # too_few
+        OOOModule(Towers().to("meta"), planner="static")  # no_accelerator
 
 
 def test_wrapping_on_the_cpu_without_an_accelerator_stays_quiet(
@@ -173,13 +175,13 @@ def test_wrapping_on_the_cpu_without_an_accelerator_stays_quiet(
     monkeypatch.setattr(ooo_wrap._wrap, "_warned_cpu_with_accelerator", False, raising=False)
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="ooo_wrap"):
         warnings.simplefilter("error")
-        OOOModule(Towers())
+        OOOModule(Towers(), planner="static")
     assert [r.levelno for r in caplog.records if r.name == "ooo_wrap"] == [logging.INFO]
 
 
 def test_enabled_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="ooo_wrap"):
-        OOOModule(make_two_towers(), backend=SimulatedBackend())
+        OOOModule(make_two_towers(), backend=SimulatedBackend(), planner="static")
     (record,) = [r for r in caplog.records if r.name == "ooo_wrap"]
     assert record.levelno == logging.INFO
     assert record.getMessage().startswith("enabled/simulated")
@@ -187,7 +189,7 @@ def test_enabled_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_runtime_events_are_logged_once_per_kind(caplog: pytest.LogCaptureFixture) -> None:
     model = make_two_towers()
-    OOOModule(model, backend=SimulatedBackend())
+    OOOModule(model, backend=SimulatedBackend(), planner="static")
     with caplog.at_level(logging.INFO, logger="ooo_wrap"), ooo_wrap.disabled():
         for _ in range(5):
             model(two_tower_input())
@@ -199,8 +201,8 @@ def test_a_fallback_never_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        OOOModule(Towers())
-        OOOModule(nn.Linear(2, 2), backend=SimulatedBackend())
+        OOOModule(Towers(), planner="static")
+        OOOModule(nn.Linear(2, 2), backend=SimulatedBackend(), planner="static")
 
 
 # --- setup failures ---------------------------------------------------------------------------
@@ -216,7 +218,7 @@ def test_stream_creation_failure_leaves_the_model_training() -> None:
     plain = copy.deepcopy(model)
     hooks = hook_snapshot(model)
     with pytest.warns(UserWarning, match="setup failed"):
-        assert OOOModule(model, backend=NoStreamsBackend()) is model
+        assert OOOModule(model, backend=NoStreamsBackend(), planner="static") is model
     assert_untouched(model, TwoTowers, hooks)
     event = only_event(model)
     assert event.kind is EventKind.SETUP_FAILED
@@ -243,7 +245,7 @@ def test_hook_registration_failure_removes_every_hook(
 
     monkeypatch.setattr(last_stage, "register_forward_hook", fail)
     with caplog.at_level(logging.WARNING, logger="ooo_wrap"), pytest.warns(UserWarning):
-        assert OOOModule(model, backend=SimulatedBackend()) is model
+        assert OOOModule(model, backend=SimulatedBackend(), planner="static") is model
     monkeypatch.undo()
     vars(last_stage).pop("register_forward_hook", None)  # undo() leaves the method there
 
@@ -259,7 +261,7 @@ def test_hook_registration_failure_removes_every_hook(
     assert user_calls == ["user"]
 
     # Nothing is left half-wrapped: the model can be wrapped for real now.
-    OOOModule(model, backend=SimulatedBackend())
+    OOOModule(model, backend=SimulatedBackend(), planner="static")
     assert model.events[-1].kind is EventKind.ENABLED
 
 
@@ -272,7 +274,7 @@ def test_a_compiled_model_is_untouched_with_a_warning() -> None:
     inner_hooks = hook_snapshot(model)
     compiled_cls = type(compiled)
     with pytest.warns(UserWarning, match="compile"):
-        assert OOOModule(compiled, backend=SimulatedBackend()) is compiled
+        assert OOOModule(compiled, backend=SimulatedBackend(), planner="static") is compiled
     assert type(compiled) is compiled_cls
     assert type(model) is TwoTowers
     assert hook_snapshot(model) == inner_hooks
@@ -285,7 +287,7 @@ def test_a_wrapped_model_under_torch_compile_runs_stages_inline() -> None:
     model = make_two_towers()
     plain = copy.deepcopy(model)
     backend = SimulatedBackend(keep_all=True)
-    OOOModule(model, backend=backend)
+    OOOModule(model, backend=backend, planner="static")
     backend.clear_log()
     compiled = torch.compile(model, backend="aot_eager")
     x = two_tower_input()
@@ -318,7 +320,7 @@ def test_a_torchscript_module_is_untouched() -> None:
     cls = type(scripted)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert OOOModule(scripted, backend=SimulatedBackend()) is scripted
+        assert OOOModule(scripted, backend=SimulatedBackend(), planner="static") is scripted
     assert type(scripted) is cls
     event = only_event(scripted)
     assert (event.kind, event.reason) == (EventKind.DISABLED, "unsupported_module")
@@ -328,7 +330,7 @@ def test_a_torchscript_module_is_untouched() -> None:
 
 def test_warnings_point_at_the_callers_line() -> None:
     with pytest.warns(UserWarning) as record:
-        OOOModule(torch.compile(make_two_towers()), backend=SimulatedBackend())
-        OOOModule(make_two_towers(), backend=NoStreamsBackend())
+        OOOModule(torch.compile(make_two_towers()), backend=SimulatedBackend(), planner="static")
+        OOOModule(make_two_towers(), backend=NoStreamsBackend(), planner="static")
     ours = [w.filename for w in record if str(w.message).startswith("ooo_wrap")]
     assert ours == [__file__, __file__]

@@ -123,7 +123,7 @@ def _watch(
     if shard_first:
         shard(model)
     spy.backend = SimulatedBackend()
-    model = ooo_wrap.OOOModule(model, streams=2, backend=spy.backend)
+    model = ooo_wrap.OOOModule(model, streams=2, backend=spy.backend, planner="static")
     if not shard_first:
         shard(model)
     spy.names = {id(m): name or "<root>" for name, m in model.named_modules()}
@@ -147,7 +147,7 @@ def _fsdp_worker(rank: int, world_size: int, device_type: str) -> dict[str, Any]
         model = Branches().to(device)
         if shard_first:
             shard(model)
-        model = ooo_wrap.OOOModule(model, streams=2, backend=backend)
+        model = ooo_wrap.OOOModule(model, streams=2, backend=backend, planner="static")
         if not shard_first:
             shard(model)
         result: dict[str, Any] = {
@@ -269,7 +269,7 @@ def test_fsdp_orders_on_gpus_match_plain_fsdp() -> None:
 
 def test_a_later_in_place_wrapper_can_subclass_a_wrapped_class() -> None:
     # What fully_shard(model) does to a wrapped model, without a process group.
-    model = ooo_wrap.OOOModule(Branches(), streams=2, backend=SimulatedBackend())
+    model = ooo_wrap.OOOModule(Branches(), streams=2, backend=SimulatedBackend(), planner="static")
     wrapped_class = type(model)
     later = type(f"Later{wrapped_class.__name__}", (_Marker, wrapped_class), {})
     model.__class__ = later

@@ -38,7 +38,7 @@ class RealRecordStream(SimulatedBackend):
 
 def test_plain_calls_reach_the_device_kernel() -> None:
     backend = RealRecordStream()
-    model = ooo_wrap.OOOModule(make_two_towers(), backend=backend)
+    model = ooo_wrap.OOOModule(make_two_towers(), backend=backend, planner="static")
     model(two_tower_input()).sum().backward()
     assert backend.reached_the_device == model.stats.record_streams == 4
 
@@ -47,7 +47,7 @@ def test_plain_calls_reach_the_device_kernel() -> None:
 def test_torch_func_transforms_over_a_wrapped_model(transform: str) -> None:
     backend = RealRecordStream()
     plain = make_two_towers()
-    model = ooo_wrap.OOOModule(copy.deepcopy(plain), backend=backend)
+    model = ooo_wrap.OOOModule(copy.deepcopy(plain), backend=backend, planner="static")
     x = two_tower_input()
 
     def run(m: torch.nn.Module) -> torch.Tensor:

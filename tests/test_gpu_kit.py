@@ -77,14 +77,16 @@ def test_full_dry_run_keeps_a_failing_point_and_at_most_eight_files(tmp_path: Pa
     assert rows["(b) CUDA Stream Sanitizer"][0] == "PASS"
     assert "2/2 broken runs flagged" in rows["(b) CUDA Stream Sanitizer"][1]
     assert "record_stream counted as a write" in rows["(b) CUDA Stream Sanitizer"][1]
-    # The failing points fail the step, and every other point is still in the table.
+    # The failing points fail the step, and every other point is still in the table; each
+    # point is measured twice, with the learned plan and with the static one.
     bench = rows["(c) benchmark suite"]
-    assert bench[0] == "FAIL" and "20 of 24 points measured, 4 failed" in bench[1]
+    assert bench[0] == "FAIL" and "40 of 48 points measured, 8 failed" in bench[1]
     (json_path,) = out.glob("benchmark_*.json")
     data = json.loads(json_path.read_text())
-    assert len(data["results"]) == 20 and len(data["errors"]) == 4 and data["complete"]
+    assert len(data["results"]) == 40 and len(data["errors"]) == 8 and data["complete"]
     assert "FAILED points:\n- towers K=8 W=2048 D=4 batch=64 float32" in summary
-    assert summary.count("| towers K=8 W=2048 D=4 | 16 | float32 |") == 1
+    for planner in ("dataflow", "static"):
+        assert summary.count(f"| towers K=8 W=2048 D=4 [{planner}] | 16 | float32 |") == 1
     # An import error in one module does not take the optional step down.
     optional = rows["(d) other cuda tests (optional)"]
     assert optional[0] == "FAIL" and optional[1].startswith("1 passed, 1 failed or errored")
@@ -104,7 +106,8 @@ def test_quick_dry_run_passes_with_three_points_and_no_optional_step(tmp_path: P
     assert [r[0] for r in rows.values()] == ["PASS", "PASS", "PASS", "PASS", "NOT RUN"]
     assert rows["(d) other cuda tests (optional)"] == ("NOT RUN", "--quick")
     assert "2/2 clean runs silent" in rows["(b) CUDA Stream Sanitizer"][1]
-    assert rows["(c) benchmark suite"][1].startswith("3 of 3 points measured, 0 failed")
+    # Three points, each with the learned plan and with the static one.
+    assert rows["(c) benchmark suite"][1].startswith("6 of 6 points measured, 0 failed")
     assert "(quick)" in summary
     assert summary.rstrip().endswith("RESULT: every required check passed")
 

@@ -104,7 +104,7 @@ class Packed(nn.Module):
 @pytest.mark.parametrize("kind", ["namespace", "object", "deque", "cache"])
 def test_tensors_in_other_containers_get_record_stream(kind: str) -> None:
     backend = SimulatedBackend(keep_all=True)
-    model = ooo_wrap.OOOModule(Packed(kind), backend=backend)
+    model = ooo_wrap.OOOModule(Packed(kind), backend=backend, planner="static")
     model(torch.randn(4, 8))
     # split: x in, two tensors out; merge: the two in, one out.
     assert model.stats.record_streams == 1 + 2 + 2 + 1
@@ -113,12 +113,12 @@ def test_tensors_in_other_containers_get_record_stream(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["namespace", "object", "deque", "cache"])
 def test_check_is_clean_on_tensors_in_other_containers(kind: str) -> None:
-    report = check(Packed(kind), torch.randn(4, 8))
+    report = check(Packed(kind), torch.randn(4, 8), planner="static")
     assert report.ok, str(report)
 
 
 def test_an_output_the_hooks_cannot_see_into_is_reported_once() -> None:
-    model = ooo_wrap.OOOModule(Packed("deep"), backend=SimulatedBackend())
+    model = ooo_wrap.OOOModule(Packed("deep"), backend=SimulatedBackend(), planner="static")
     for _ in range(3):
         model(torch.randn(4, 8))
     untracked = [e for e in model.events if e.kind is EventKind.UNTRACKED]

@@ -72,7 +72,7 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
 
 
 def wrap(model: nn.Module) -> Any:
-    return ooo_wrap.OOOModule(model, streams=4, backend=SimulatedBackend())
+    return ooo_wrap.OOOModule(model, streams=4, backend=SimulatedBackend(), planner="static")
 
 
 def test_wrap_then_prepare_trains_like_the_plain_model(tmp_path: Path) -> None:

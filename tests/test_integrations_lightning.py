@@ -41,7 +41,7 @@ class Net(L.LightningModule):  # type: ignore[misc]
         net = self.net if self.net is not None else build_model()
         if self.wrap:
             backend = SimulatedBackend() if self.simulated else None
-            net = ooo_wrap.OOOModule(net, streams=4, backend=backend)
+            net = ooo_wrap.OOOModule(net, streams=4, backend=backend, planner="static")
         self.net = net
 
     def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
@@ -138,7 +138,9 @@ def test_wrapping_in_init_works_on_the_cpu(plain_run: Net) -> None:
     # trains the same. On a GPU the model would still be on the CPU there, and the wrap
     # would fall back (reason "cpu"): configure_model is the place.
     model = Net(wrap=False)
-    model.net = ooo_wrap.OOOModule(build_model(), streams=4, backend=SimulatedBackend())
+    model.net = ooo_wrap.OOOModule(
+        build_model(), streams=4, backend=SimulatedBackend(), planner="static"
+    )
     trainer().fit(model, data())
     assert_same_losses(model, plain_run)
 
@@ -149,7 +151,7 @@ def test_wrapping_the_whole_lightning_module_works(plain_run: Net) -> None:
     # only the per-stage joins run (each stage call is joined when it returns).
     model = Net(wrap=False)
     model.configure_model()
-    wrapped = ooo_wrap.OOOModule(model, streams=4, backend=SimulatedBackend())
+    wrapped = ooo_wrap.OOOModule(model, streams=4, backend=SimulatedBackend(), planner="static")
     assert [stage.name for stage in wrapped.plan.stages] == [f"net.towers.{i}" for i in range(4)]
     trainer().fit(wrapped, data())
     assert wrapped.stats.stage_calls == 4 * STEPS
@@ -173,7 +175,7 @@ def test_wrapping_in_init_on_a_gpu_machine_falls_back_and_says_why() -> None:
     # The mistake configure_model avoids: the network is on the CPU when wrapped, so the
     # wrapper leaves it untouched, and Lightning then moves the plain network to the GPU.
     model = Net(wrap=False)
-    model.net = ooo_wrap.OOOModule(build_model(), streams=4)
+    model.net = ooo_wrap.OOOModule(build_model(), streams=4, planner="static")
     assert not isinstance(model.net, ooo_wrap.OOOModule)
     trainer(accelerator="gpu", devices=1).fit(model, data())
     assert next(model.net.parameters()).is_cuda

@@ -84,7 +84,7 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 
 def wrap(model: torch.nn.Module) -> Any:
-    wrapped = ooo_wrap.OOOModule(model, streams=2, backend=SimulatedBackend())
+    wrapped = ooo_wrap.OOOModule(model, streams=2, backend=SimulatedBackend(), planner="static")
     assert isinstance(wrapped, ooo_wrap.OOOModule)
     return wrapped
 
@@ -186,7 +186,7 @@ def test_trainer_given_a_model_compiled_before_wrapping_warns(tmp_path: Path) ->
     # The other order: compiling first leaves nothing for the wrapper, and it says so.
     compiled = torch.compile(tiny_gpt2(), backend="eager")
     with pytest.warns(UserWarning, match="torch.compile'd"):
-        same = ooo_wrap.OOOModule(compiled, backend=SimulatedBackend())
+        same = ooo_wrap.OOOModule(compiled, backend=SimulatedBackend(), planner="static")
     assert same is compiled
     assert [event.reason for event in ooo_wrap.events_for(compiled)] == ["compiled"]
 
@@ -245,7 +245,7 @@ def test_save_pretrained_of_an_unwrapped_model_is_exact(tmp_path: Path) -> None:
 @pytest.mark.cuda
 def test_wrapping_on_args_device_uses_real_streams(tmp_path: Path) -> None:
     args = transformers.TrainingArguments(str(tmp_path), **{**TRAINING, "use_cpu": False})
-    model = ooo_wrap.OOOModule(tiny_gpt2().to(args.device), streams=2)
+    model = ooo_wrap.OOOModule(tiny_gpt2().to(args.device), streams=2, planner="static")
     assert isinstance(model, ooo_wrap.OOOModule)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset())
     trainer.train()
@@ -257,7 +257,7 @@ def test_wrapping_on_args_device_uses_real_streams(tmp_path: Path) -> None:
 def test_wrapping_on_the_cpu_before_trainer_falls_back_and_says_why(tmp_path: Path) -> None:
     # The mistake: Trainer moves the model to the GPU after the wrap left it untouched.
     args = transformers.TrainingArguments(str(tmp_path), **{**TRAINING, "use_cpu": False})
-    model = ooo_wrap.OOOModule(tiny_gpt2(), streams=2)
+    model = ooo_wrap.OOOModule(tiny_gpt2(), streams=2, planner="static")
     assert not isinstance(model, ooo_wrap.OOOModule)
     transformers.Trainer(model=model, args=args, train_dataset=dataset()).train()
     assert next(model.parameters()).is_cuda
@@ -269,7 +269,7 @@ def test_tied_embeddings_across_two_stages_pass_the_race_check() -> None:
     # its gradient is accumulated from both, which the checker models as the engine does.
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
     report = ooo_wrap.testing.check(
-        tiny_gpt2(), x, loss_fn=lambda out: out.logits.square().mean(), streams=2
+        tiny_gpt2(), x, loss_fn=lambda out: out.logits.square().mean(), streams=2, planner="static"
     )
     assert report.ok, str(report)
     assert report.notes == (

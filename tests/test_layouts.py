@@ -52,11 +52,11 @@ def test_a_module_registered_twice_in_one_container_is_one_stage() -> None:
 
 @pytest.mark.parametrize("factory", [SharedEmbeddingTowers, T5Style])
 def test_shared_layouts_wrap_train_and_check_clean(factory: type[nn.Module]) -> None:
-    model = OOOModule(factory(), streams=2, backend=SimulatedBackend())
+    model = OOOModule(factory(), streams=2, backend=SimulatedBackend(), planner="static")
     assert isinstance(model, OOOModule)
     model(tokens()).sum().backward()
     assert model.stats.stage_calls == 2
-    report = check(factory(), tokens())
+    report = check(factory(), tokens(), planner="static")
     assert report.ok, str(report)
     assert report.not_checked is None
 
@@ -103,7 +103,7 @@ def test_a_cpu_model_falls_back_for_the_cpu_before_any_planning() -> None:
 
     model = Named()
     hooks = hook_snapshot(model)
-    assert OOOModule(model) is model
+    assert OOOModule(model, planner="static") is model
     assert type(model) is Named and hook_snapshot(model) == hooks
     assert [(e.kind, e.reason) for e in ooo_wrap.events_for(model)] == [(EventKind.DISABLED, "cpu")]
 
@@ -118,11 +118,11 @@ def lazy() -> nn.Module:
 def test_lazy_parameters_plan_wrap_and_check() -> None:
     the_plan = ooo_wrap.plan(lazy())
     assert [(s.name, s.num_params) for s in the_plan.stages] == [("0", 0), ("2", 0)]
-    model = OOOModule(lazy(), backend=SimulatedBackend())
+    model = OOOModule(lazy(), backend=SimulatedBackend(), planner="static")
     assert isinstance(model, OOOModule)
     model(torch.randn(2, 5)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
-    report = check(lazy(), torch.randn(2, 5))
+    report = check(lazy(), torch.randn(2, 5), planner="static")
     assert report.ok, str(report)
 
 
@@ -177,7 +177,7 @@ class Grouped(nn.Module):
 def test_a_stage_never_called_is_reported_once_after_the_forward(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    model = OOOModule(Grouped(), backend=SimulatedBackend())
+    model = OOOModule(Grouped(), backend=SimulatedBackend(), planner="static")
     assert [s.name for s in model.plan.stages] == ["group", "head"]
     x = torch.randn(3, 2)
     with caplog.at_level(logging.WARNING, logger="ooo_wrap"):
@@ -191,18 +191,22 @@ def test_a_stage_never_called_is_reported_once_after_the_forward(
 
 
 def test_check_notes_a_stage_never_called() -> None:
-    report = check(Grouped(), torch.randn(3, 2))
+    report = check(Grouped(), torch.randn(3, 2), planner="static")
     assert any(note.startswith("stage_not_called/not_called [group]") for note in report.notes)
 
 
 def test_every_stage_called_reports_nothing() -> None:
-    model = OOOModule(Grouped(), stages=["group.inner", "head"], backend=SimulatedBackend())
+    model = OOOModule(
+        Grouped(), stages=["group.inner", "head"], backend=SimulatedBackend(), planner="static"
+    )
     model(torch.randn(3, 2))
     assert not any(e.kind is EventKind.STAGE_NOT_CALLED for e in model.events)
 
 
 def test_a_forward_that_raises_or_runs_inline_reports_nothing() -> None:
-    model = OOOModule(Grouped(), stages=["group.inner", "head"], backend=SimulatedBackend())
+    model = OOOModule(
+        Grouped(), stages=["group.inner", "head"], backend=SimulatedBackend(), planner="static"
+    )
     with pytest.raises(RuntimeError):
         model(torch.randn(3, 5))  # group.inner raises: head is not reached
     with ooo_wrap.disabled():
@@ -234,6 +238,6 @@ def test_a_backend_that_is_not_a_backend_is_a_config_error(backend: object) -> N
     model = Layers()
     hooks = hook_snapshot(model)
     with pytest.raises(OOOConfigError, match="backend must be a stream backend") as info:
-        OOOModule(model, backend=backend)  # type: ignore[arg-type]
+        OOOModule(model, backend=backend, planner="static")  # type: ignore[arg-type]
     assert type(backend).__name__ in str(info.value)
     assert type(model) is Layers and hook_snapshot(model) == hooks

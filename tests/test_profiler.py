@@ -61,7 +61,9 @@ def _ooo_counts(events: list[torch.autograd.profiler_util.FunctionEvent]) -> dic
 
 
 def test_each_stage_call_gets_one_range_named_after_the_stage() -> None:
-    model = ooo_wrap.OOOModule(Towers(), backend=SimulatedBackend(), profile_ranges=True)
+    model = ooo_wrap.OOOModule(
+        Towers(), backend=SimulatedBackend(), profile_ranges=True, planner="static"
+    )
     x = torch.randn(4, 8)
 
     def two_steps() -> None:
@@ -73,7 +75,9 @@ def test_each_stage_call_gets_one_range_named_after_the_stage() -> None:
 
 
 def test_the_range_holds_the_stage_forward() -> None:
-    model = ooo_wrap.OOOModule(Towers(), backend=SimulatedBackend(), profile_ranges=True)
+    model = ooo_wrap.OOOModule(
+        Towers(), backend=SimulatedBackend(), profile_ranges=True, planner="static"
+    )
     events = _profiled(lambda: model(torch.randn(4, 8)))
     ranges = [e for e in events if e.name.startswith("ooo/")]
     assert len(ranges) == 3
@@ -84,7 +88,7 @@ def test_the_range_holds_the_stage_forward() -> None:
 
 
 def test_no_ranges_when_off_and_the_plain_hooks_are_installed() -> None:
-    model = ooo_wrap.OOOModule(Towers(), backend=SimulatedBackend())
+    model = ooo_wrap.OOOModule(Towers(), backend=SimulatedBackend(), planner="static")
     assert _ooo_counts(_profiled(lambda: model(torch.randn(4, 8)))) == {}
     # Off means the base scheduler's own hooks, chosen at wrap time: no per-call check.
     hooks = list(model.towers[0]._forward_pre_hooks.values())
@@ -95,7 +99,7 @@ def test_no_ranges_when_off_and_the_plain_hooks_are_installed() -> None:
 
 def test_range_is_closed_when_the_stage_raises() -> None:
     backend = SimulatedBackend()
-    model = ooo_wrap.OOOModule(TwoStages(), backend=backend, profile_ranges=True)
+    model = ooo_wrap.OOOModule(TwoStages(), backend=backend, profile_ranges=True, planner="static")
     model.second.armed = True
 
     def fail_then_mark() -> None:
@@ -133,7 +137,9 @@ def test_every_range_opened_is_closed_explicitly_even_on_error(
             super().__exit__(*exc)
 
     monkeypatch.setattr(torch.profiler, "record_function", Spy)
-    model = ooo_wrap.OOOModule(TwoStages(), backend=SimulatedBackend(), profile_ranges=True)
+    model = ooo_wrap.OOOModule(
+        TwoStages(), backend=SimulatedBackend(), profile_ranges=True, planner="static"
+    )
     model.second.armed = True
     with pytest.raises(ValueError, match="boom"):
         model(torch.randn(2, 8))
@@ -147,7 +153,9 @@ def test_every_range_opened_is_closed_explicitly_even_on_error(
 
 
 def test_bypassed_calls_keep_their_range() -> None:
-    model = ooo_wrap.OOOModule(Towers(2), backend=SimulatedBackend(), profile_ranges=True)
+    model = ooo_wrap.OOOModule(
+        Towers(2), backend=SimulatedBackend(), profile_ranges=True, planner="static"
+    )
 
     def run_disabled() -> None:
         with ooo_wrap.disabled():
@@ -160,7 +168,9 @@ def test_bypassed_calls_keep_their_range() -> None:
 
 def test_same_outputs_and_gradients_as_the_plain_model() -> None:
     plain = Towers()
-    wrapped = ooo_wrap.OOOModule(Towers(), backend=SimulatedBackend(), profile_ranges=True)
+    wrapped = ooo_wrap.OOOModule(
+        Towers(), backend=SimulatedBackend(), profile_ranges=True, planner="static"
+    )
     wrapped.load_state_dict(plain.state_dict())
     x = torch.randn(4, 8)
     with profile(activities=[ProfilerActivity.CPU]):
@@ -175,7 +185,9 @@ def test_same_outputs_and_gradients_as_the_plain_model() -> None:
 
 
 def test_ranges_are_harmless_outside_a_profiler() -> None:
-    model = ooo_wrap.OOOModule(Towers(), backend=SimulatedBackend(), profile_ranges=True)
+    model = ooo_wrap.OOOModule(
+        Towers(), backend=SimulatedBackend(), profile_ranges=True, planner="static"
+    )
     model(torch.randn(4, 8)).sum().backward()  # record_function is a no-op unprofiled
     assert model.stats.stage_calls == 3
 
@@ -183,11 +195,15 @@ def test_ranges_are_harmless_outside_a_profiler() -> None:
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_profile_ranges_must_be_a_bool(value: object) -> None:
     with pytest.raises(ooo_wrap.OOOConfigError, match="profile_ranges must be True or False"):
-        ooo_wrap.OOOModule(Towers(), backend=SimulatedBackend(), profile_ranges=value)  # type: ignore[arg-type]
+        ooo_wrap.OOOModule(
+            Towers(), backend=SimulatedBackend(), profile_ranges=value, planner="static"
+        )  # type: ignore[arg-type]
 
 
 def test_a_jit_trace_keeps_the_ranges() -> None:
-    model = ooo_wrap.OOOModule(Towers(2), backend=SimulatedBackend(), profile_ranges=True)
+    model = ooo_wrap.OOOModule(
+        Towers(2), backend=SimulatedBackend(), profile_ranges=True, planner="static"
+    )
     x = torch.randn(4, 8)
     with warnings.catch_warnings():
         # torch.jit.trace is deprecated in recent torch; tracing is still what is tested here.
@@ -199,7 +215,9 @@ def test_a_jit_trace_keeps_the_ranges() -> None:
 
 
 def test_compiled_calls_run_inline_without_ranges() -> None:
-    model = ooo_wrap.OOOModule(Towers(2), backend=SimulatedBackend(), profile_ranges=True)
+    model = ooo_wrap.OOOModule(
+        Towers(2), backend=SimulatedBackend(), profile_ranges=True, planner="static"
+    )
     compiled = torch.compile(model, backend="eager")
     x = torch.randn(4, 8)
     counts = _ooo_counts(_profiled(lambda: torch.testing.assert_close(compiled(x), model(x))))
@@ -213,7 +231,7 @@ def test_compiled_calls_run_inline_without_ranges() -> None:
 
 @pytest.mark.cuda
 def test_ranges_on_a_gpu() -> None:
-    model = ooo_wrap.OOOModule(Towers().cuda(), profile_ranges=True)
+    model = ooo_wrap.OOOModule(Towers().cuda(), profile_ranges=True, planner="static")
     assert isinstance(model, ooo_wrap.OOOModule)
     x = torch.randn(4, 8, device="cuda")
     events = _profiled(lambda: model(x).sum().backward())

@@ -41,7 +41,7 @@ def side_streams(backend: SimulatedBackend) -> list[VirtualStream]:
 def wrap(model: nn.Module, backend: SimulatedBackend, streams: int = 4) -> list[VirtualStream]:
     """Wrap ``model`` on ``backend``; return the side streams it created."""
     before = len(side_streams(backend))
-    assert ooo_wrap.OOOModule(model, streams, backend=backend) is model
+    assert ooo_wrap.OOOModule(model, streams, backend=backend, planner="static") is model
     return side_streams(backend)[before:]
 
 

@@ -70,7 +70,11 @@ def test_pickle_keeps_options_and_user_hooks() -> None:
     plain.towers[2].register_forward_hook(plain.stage_hook)
     plain.alias = plain.towers[0]  # a stage registered under a second name
     model = ooo_wrap.OOOModule(
-        plain, streams=2, stages=["towers.0", "towers.1", "towers.2"], backend=SimulatedBackend()
+        plain,
+        streams=2,
+        stages=["towers.0", "towers.1", "towers.2"],
+        backend=SimulatedBackend(),
+        planner="static",
     )
     loaded = pickle_round_trip(model)
     assert loaded.alias is loaded.towers[0]
@@ -121,7 +125,7 @@ def test_state_dict_save_loads_into_wrapped_and_plain_models() -> None:
 
 
 def test_unpickled_model_falls_back_where_the_backend_is_unsupported() -> None:
-    model = ooo_wrap.OOOModule(Towers(), backend=SwitchableBackend())
+    model = ooo_wrap.OOOModule(Towers(), backend=SwitchableBackend(), planner="static")
     data = pickle.dumps(model)
     SwitchableBackend.available = False
     try:
@@ -163,7 +167,7 @@ def test_a_wrapped_model_inside_a_pickled_parent_is_wrapped_again() -> None:
 
 @pytest.mark.cuda
 def test_copies_and_saves_on_a_gpu() -> None:
-    model = ooo_wrap.OOOModule(Towers().cuda(), streams=3)
+    model = ooo_wrap.OOOModule(Towers().cuda(), streams=3, planner="static")
     assert isinstance(model, ooo_wrap.OOOModule)
     x = torch.randn(4, 8, device="cuda")
     clone = copy.deepcopy(model)
@@ -190,7 +194,7 @@ def test_loaded_hook_ids_are_not_handed_out_again(monkeypatch: pytest.MonkeyPatc
     plain = Towers()
     plain.pre = Recorder("pre")
     handle = plain.register_forward_pre_hook(plain.pre)
-    data = pickle.dumps(ooo_wrap.OOOModule(plain, backend=SimulatedBackend()))
+    data = pickle.dumps(ooo_wrap.OOOModule(plain, backend=SimulatedBackend(), planner="static"))
     # As in a fresh process, where the id counter never handed out the loaded ids: the
     # wrapper's root pre-hook, registered first, would get the user pre-hook's id.
     monkeypatch.setattr(RemovableHandle, "next_id", handle.id)
@@ -207,7 +211,8 @@ def test_loading_moves_the_hook_counter_only_as_registering_does(
     plain.pre = Recorder("pre")
     monkeypatch.setattr(RemovableHandle, "next_id", 1000)
     plain.register_forward_pre_hook(plain.pre)
-    data = pickle.dumps(ooo_wrap.OOOModule(plain, backend=SimulatedBackend()))
+    wrapped = ooo_wrap.OOOModule(plain, backend=SimulatedBackend(), planner="static")
+    data = pickle.dumps(wrapped)
     monkeypatch.setattr(RemovableHandle, "next_id", 5)  # a fresh process, ids 5 and up free
     loaded = pickle.loads(data)
     # One fresh id per loaded hook and per wrapper hook: never a jump past the loaded ids.
@@ -241,7 +246,7 @@ def test_torch_save_loads_in_a_fresh_process(
     plain.towers[0].register_forward_hook(plain.towers[0].hook)
     monkeypatch.undo()
     path = tmp_path / "model.pt"
-    torch.save(ooo_wrap.OOOModule(plain, backend=SimulatedBackend()), path)
+    torch.save(ooo_wrap.OOOModule(plain, backend=SimulatedBackend(), planner="static"), path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

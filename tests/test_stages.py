@@ -235,7 +235,7 @@ def test_round_robin_property(n_stages: int, streams: int) -> None:
 def test_wrapping_creates_only_the_streams_used() -> None:
     backend = SimulatedBackend(keep_all=True)
     model = Leafy(3)
-    ooo_wrap.OOOModule(model, 16, backend=backend)
+    ooo_wrap.OOOModule(model, 16, backend=backend, planner="static")
     assert [call.op for call in backend.log] == ["new_stream"] * 3
 
 
@@ -402,7 +402,7 @@ def test_oooModule_rejects_bad_streams_and_leaves_the_model(streams: object) -> 
     model = Towers()
     hooks = hook_snapshot(model)
     with pytest.raises(OOOConfigError, match=re.escape(repr(streams))):
-        ooo_wrap.OOOModule(model, streams, backend=SimulatedBackend())  # type: ignore[arg-type]
+        ooo_wrap.OOOModule(model, streams, backend=SimulatedBackend(), planner="static")  # type: ignore[arg-type]
     assert type(model) is Towers
     assert hook_snapshot(model) == hooks
 
@@ -417,7 +417,9 @@ def test_bad_stage_names_raise_at_wrap_time_and_leave_the_model() -> None:
     model = Towers()
     hooks = hook_snapshot(model)
     with pytest.raises(OOOConfigError, match=re.escape("did you mean 'towers.1'")):
-        ooo_wrap.OOOModule(model, stages=["towers.0", "tower.1"], backend=SimulatedBackend())
+        ooo_wrap.OOOModule(
+            model, stages=["towers.0", "tower.1"], backend=SimulatedBackend(), planner="static"
+        )
     assert type(model) is Towers
     assert hook_snapshot(model) == hooks
     assert ooo_wrap.events_for(model) == ()

@@ -42,8 +42,8 @@ def test_two_models_sharing_a_stage_module_leave_the_callers_stream() -> None:
     backend = SimulatedBackend()
     shared = nn.Linear(4, 4)
     a, b = Pair(shared), Pair(shared)
-    ooo_wrap.OOOModule(a, backend=backend)
-    ooo_wrap.OOOModule(b, backend=backend)
+    ooo_wrap.OOOModule(a, backend=backend, planner="static")
+    ooo_wrap.OOOModule(b, backend=backend, planner="static")
     x = two_tower_input()
     for model in (a, b, a):
         model(x).sum().backward()
@@ -59,8 +59,8 @@ def test_a_stage_shared_by_two_models_called_on_its_own_forks_once() -> None:
     backend = SimulatedBackend(keep_all=True)
     shared = nn.Linear(4, 4)
     a, b = Pair(shared), Pair(shared)
-    ooo_wrap.OOOModule(a, backend=backend)
-    ooo_wrap.OOOModule(b, backend=backend)
+    ooo_wrap.OOOModule(a, backend=backend, planner="static")
+    ooo_wrap.OOOModule(b, backend=backend, planner="static")
     backend.clear_log()
     shared(two_tower_input())  # e.g. a checkpoint recomputing it outside any forward
     assert backend.current_stream() == DEFAULT
@@ -70,19 +70,19 @@ def test_a_stage_shared_by_two_models_called_on_its_own_forks_once() -> None:
 
 def test_wrapping_a_sub_module_of_a_wrapped_model_is_refused() -> None:
     model = make_two_towers()
-    ooo_wrap.OOOModule(model, backend=SimulatedBackend())
+    ooo_wrap.OOOModule(model, backend=SimulatedBackend(), planner="static")
     inner = model.towers[0]
     with pytest.raises(OOOConfigError, match=r"'towers\.0'"):
-        ooo_wrap.OOOModule(inner, backend=SimulatedBackend())
+        ooo_wrap.OOOModule(inner, backend=SimulatedBackend(), planner="static")
     assert not isinstance(inner, ooo_wrap.OOOModule)
 
 
 def test_wrapping_the_parent_of_a_wrapped_model_is_refused() -> None:
     inner = make_two_towers()
-    ooo_wrap.OOOModule(inner, backend=SimulatedBackend())
+    ooo_wrap.OOOModule(inner, backend=SimulatedBackend(), planner="static")
     outer = Pair(inner)
     with pytest.raises(OOOConfigError, match="'first'"):
-        ooo_wrap.OOOModule(outer, backend=SimulatedBackend())
+        ooo_wrap.OOOModule(outer, backend=SimulatedBackend(), planner="static")
     assert type(outer) is Pair
     outer(two_tower_input())
 
@@ -122,7 +122,7 @@ def test_the_root_called_from_inside_one_of_its_stages() -> None:
     plain_out = Recursive()
     plain_out.load_state_dict(model.state_dict())
     expected = plain_out(two_tower_input())
-    ooo_wrap.OOOModule(model, backend=backend)
+    ooo_wrap.OOOModule(model, backend=backend, planner="static")
     backend.clear_log()
     out = model(two_tower_input())
     log = backend.log

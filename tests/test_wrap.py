@@ -20,7 +20,7 @@ from ooo_wrap.testing import SimulatedBackend
 
 def wrapped_two_towers() -> TwoTowers:
     model = make_two_towers()
-    assert OOOModule(model, backend=SimulatedBackend()) is model
+    assert OOOModule(model, backend=SimulatedBackend(), planner="static") is model
     return model
 
 
@@ -33,7 +33,7 @@ def attrs_of_every_module(model: nn.Module) -> dict[str, set[str]]:
 
 def test_wrapping_is_in_place_with_a_swapped_class() -> None:
     model = make_two_towers()
-    result = OOOModule(model, backend=SimulatedBackend())
+    result = OOOModule(model, backend=SimulatedBackend(), planner="static")
     assert result is model
     assert isinstance(model, TwoTowers)
     assert isinstance(model, OOOModule)
@@ -60,7 +60,7 @@ def test_the_dynamic_class_is_cached_per_model_class() -> None:
     first, second = wrapped_two_towers(), wrapped_two_towers()
     assert type(first) is type(second)
     other = Towers()
-    OOOModule(other, backend=SimulatedBackend())
+    OOOModule(other, backend=SimulatedBackend(), planner="static")
     assert type(other) is not type(first)
     assert type(other).__qualname__ == "OOOTowers"
 
@@ -71,7 +71,7 @@ def test_names_and_state_dict_keys_are_unchanged() -> None:
     buffers = [name for name, _ in model.named_buffers()]
     keys = list(model.state_dict())
     modules = [name for name, _ in model.named_modules()]
-    OOOModule(model, backend=SimulatedBackend())
+    OOOModule(model, backend=SimulatedBackend(), planner="static")
     assert [name for name, _ in model.named_parameters()] == names
     assert [name for name, _ in model.named_buffers()] == buffers
     assert list(model.state_dict()) == keys
@@ -82,7 +82,7 @@ def test_names_and_state_dict_keys_are_unchanged() -> None:
 def test_wrapping_stores_nothing_on_the_modules() -> None:
     model = Towers()
     before = attrs_of_every_module(model)
-    OOOModule(model, backend=SimulatedBackend())
+    OOOModule(model, backend=SimulatedBackend(), planner="static")
     assert attrs_of_every_module(model) == before
 
 
@@ -98,7 +98,9 @@ def test_the_wrapper_api_is_there() -> None:
 
 def wrapped_sequential() -> nn.Sequential:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2))
-    wrapped: nn.Sequential = OOOModule(model, streams=2, backend=SimulatedBackend())
+    wrapped: nn.Sequential = OOOModule(
+        model, streams=2, backend=SimulatedBackend(), planner="static"
+    )
     assert isinstance(wrapped, OOOModule)
     return wrapped
 
@@ -128,7 +130,7 @@ def test_rebuilding_through_the_class_gives_the_original_class(args: tuple[nn.Mo
 
 
 def test_rebuilding_a_user_class_runs_its_own_init() -> None:
-    model = OOOModule(make_two_towers(), backend=SimulatedBackend())
+    model = OOOModule(make_two_towers(), backend=SimulatedBackend(), planner="static")
     rebuilt = type(model)()
     assert type(rebuilt) is TwoTowers
     assert rebuilt(two_tower_input()).shape == model(two_tower_input()).shape
@@ -168,7 +170,7 @@ def test_unwrap_restores_class_hooks_and_names_exactly() -> None:
     attrs = attrs_of_every_module(model)
     count = hook_count(model)
 
-    OOOModule(model, backend=SimulatedBackend())
+    OOOModule(model, backend=SimulatedBackend(), planner="static")
     assert hook_count(model) == count + 6  # root pre/post and two per stage
     model(two_tower_input())
     result = model.unwrap()
@@ -205,12 +207,12 @@ def test_unwrap_is_idempotent_and_a_no_op_on_plain_models() -> None:
 def test_unwrapped_model_runs_plain_and_can_be_wrapped_again() -> None:
     backend = SimulatedBackend(keep_all=True)
     model = make_two_towers()
-    OOOModule(model, backend=backend)
+    OOOModule(model, backend=backend, planner="static")
     model.unwrap()
     backend.clear_log()
     model(two_tower_input())
     assert backend.log == ()
-    OOOModule(model, streams=1, backend=backend)
+    OOOModule(model, streams=1, backend=backend, planner="static")
     assert model.plan.num_streams == 1
     model(two_tower_input())
     assert model.stats.stage_calls == 2
@@ -219,7 +221,7 @@ def test_unwrapped_model_runs_plain_and_can_be_wrapped_again() -> None:
 def test_user_hooks_registered_before_and_after_wrapping_still_run() -> None:
     model = make_two_towers()
     calls = _with_user_hooks(model)
-    OOOModule(model, backend=SimulatedBackend())
+    OOOModule(model, backend=SimulatedBackend(), planner="static")
     stage = model.get_submodule("towers.1")
     stage.register_forward_hook(lambda m, a, o: calls.append("after-wrap") or None)
     model(two_tower_input())
@@ -268,7 +270,7 @@ def test_wrapping_twice_is_an_error() -> None:
     model = wrapped_two_towers()
     hooks = hook_snapshot(model)
     with pytest.raises(OOOConfigError, match="already wrapped") as info:
-        OOOModule(model, backend=SimulatedBackend())
+        OOOModule(model, backend=SimulatedBackend(), planner="static")
     assert "TwoTowers" in str(info.value)
     assert hook_snapshot(model) == hooks
     assert type(model).__qualname__ == "OOOTwoTowers"
@@ -277,7 +279,7 @@ def test_wrapping_twice_is_an_error() -> None:
 @pytest.mark.parametrize("value", [None, "model", 3, [nn.Linear(2, 2)]])
 def test_wrapping_a_non_module_is_an_error(value: Any) -> None:
     with pytest.raises(OOOConfigError, match=type(value).__name__) as info:
-        OOOModule(value, backend=SimulatedBackend())
+        OOOModule(value, backend=SimulatedBackend(), planner="static")
     assert isinstance(info.value, ValueError)
 
 
@@ -314,7 +316,7 @@ def test_a_model_method_named_plan_stays_the_models() -> None:
 
     model = Planner()
     with pytest.warns(UserWarning, match=r"'plan'.*events_for") as record:
-        OOOModule(model, backend=SimulatedBackend())
+        OOOModule(model, backend=SimulatedBackend(), planner="static")
     assert [w.filename for w in record if str(w.message).startswith("ooo_wrap")] == [__file__]
     assert isinstance(model, OOOModule)
     assert model.plan() == "the model's own plan"
@@ -329,7 +331,7 @@ def test_a_model_method_named_plan_stays_the_models() -> None:
     another = Planner()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        OOOModule(another, backend=SimulatedBackend())
+        OOOModule(another, backend=SimulatedBackend(), planner="static")
     assert type(another) is type(model)
     assert model.unwrap() is model
     assert type(model) is Planner
@@ -352,7 +354,7 @@ def test_a_submodule_named_events_and_an_attribute_named_stats_stay_the_models()
     model = Busy()
     submodule = model.events
     with pytest.warns(UserWarning) as record:
-        OOOModule(model, backend=SimulatedBackend())
+        OOOModule(model, backend=SimulatedBackend(), planner="static")
     messages = " ".join(str(w.message) for w in record)
     assert "'events'" in messages
     assert "'stats'" in messages
@@ -379,5 +381,5 @@ def test_a_submodule_named_events_and_an_attribute_named_stats_stay_the_models()
 
 
 def test_the_enabled_event_counts_in_the_singular() -> None:
-    model = OOOModule(make_two_towers(), streams=1, backend=SimulatedBackend())
+    model = OOOModule(make_two_towers(), streams=1, backend=SimulatedBackend(), planner="static")
     assert model.events[0].message.startswith("2 stages on 1 side stream (cpu,")

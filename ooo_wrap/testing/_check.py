@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._errors import OOOConfigError, positive_int
+from .._options import Planner
 from .._tensors import map_leaves, named_tensors
 from .._wrap import OOOModule, events_for
 from ._detect import DetectingBackend, Detection, detect
@@ -34,6 +35,7 @@ def check(
     streams: int = 4,
     stages: Sequence[str] | None = None,
     steps: int = 2,
+    planner: Planner = "dataflow",
 ) -> CheckReport:
     """Train a copy of ``model`` on virtual streams and report every stream race.
 
@@ -51,7 +53,10 @@ def check(
             floating-point tensor in the output.
         streams: side streams, as for :class:`~ooo_wrap.OOOModule`.
         stages: stage names, as for :class:`~ooo_wrap.OOOModule`.
-        steps: training steps to run.
+        steps: training steps to run. With the ``dataflow`` planner the first step runs
+            inline while the plan is learned, and the later steps check the learned plan
+            (so at least 2 are needed to check anything).
+        planner: as for :class:`~ooo_wrap.OOOModule`.
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
@@ -77,7 +82,9 @@ def check(
     positive_int(steps, "steps")
     backend = DetectingBackend()
     model = _materialized(model, inputs)
-    wrapped = OOOModule(copy.deepcopy(model), streams, stages=stages, backend=backend)
+    wrapped = OOOModule(
+        copy.deepcopy(model), streams, stages=stages, backend=backend, planner=planner
+    )
     plain = copy.deepcopy(model)
     wrapped_inputs, plain_inputs = _fresh(inputs), _fresh(inputs)
     with detect(backend, keep_alive=[wrapped]) as found:
@@ -102,7 +109,9 @@ def check(
         trace=records,
         notes=notes,
         steps=steps,
-        not_checked=_not_checked(wrapped),
+        not_checked=_not_checked(
+            wrapped, learned_on_last_step=planner == "dataflow" and steps == 1
+        ),
     )
 
 
@@ -121,9 +130,15 @@ def torch_version_note(version: str | None = None) -> str | None:
     return f"torch {version} is installed; {checked}: backward findings may not match its engine"
 
 
-def _not_checked(wrapped: nn.Module) -> str | None:
-    """Why nothing was checked, if the wrapper fell back and left the copy untouched."""
+def _not_checked(wrapped: nn.Module, *, learned_on_last_step: bool) -> str | None:
+    """Why nothing was checked, if the wrapper fell back and left the copy untouched, or
+    the only step was the one that learned the plan (inline)."""
     if isinstance(wrapped, OOOModule):
+        if learned_on_last_step or wrapped.plan.pending:
+            return (
+                "the only step ran inline while the plan was learned, so no side stream ran "
+                "and nothing was checked; pass steps >= 2"
+            )
         return None
     events = events_for(wrapped)
     why = f"{events[-1].reason}: {events[-1].message}" if events else "the model was not wrapped"
@@ -205,16 +220,28 @@ def _fresh_leaf(value: Any) -> Any:
 
 
 def _label_stages(model: nn.Module, found: Detection) -> list[RemovableHandle]:
-    """Hooks on the copy's stages so each op is reported with the stage that ran it."""
+    """Hooks on the copy's stages so each op is reported with the stage that ran it.
+
+    A plan learned on the first step gets its labels as the next forward starts.
+    """
     if not isinstance(model, OOOModule):
         return []
-    handles = []
-    for stage in model.plan.stages:
-        module = model.get_submodule(stage.name)
-        push = functools.partial(_push, found, stage.name)
-        handles.append(module.register_forward_pre_hook(push))
-        pop = functools.partial(_pop, found)
-        handles.append(module.register_forward_hook(pop, always_call=True))
+    handles: list[RemovableHandle] = []
+    labelled: set[str] = set()
+
+    def label(*_: Any) -> None:
+        for stage in model.plan.stages:
+            if stage.name in labelled:
+                continue
+            labelled.add(stage.name)
+            module = model.get_submodule(stage.name)
+            push = functools.partial(_push, found, stage.name)
+            handles.append(module.register_forward_pre_hook(push))
+            pop = functools.partial(_pop, found)
+            handles.append(module.register_forward_hook(pop, always_call=True))
+
+    label()
+    handles.append(model.register_forward_pre_hook(label))
     return handles
 
 

@@ -1,0 +1,327 @@
+"""A plan learned from one observed forward: regions, stages, streams, dataflow edges, estimates.
+
+:func:`learn` turns a :class:`~ooo_wrap._observe.CallRecord` into a :class:`LearnedPlan`;
+:func:`learn_plan` observes one forward of a model first. Both are pure: no stream, no event,
+no device work beyond running the forward once (on the CPU or the ``meta`` device).
+:meth:`LearnedPlan.to_plan` gives the :class:`~ooo_wrap._plan.Plan` the scheduler runs.
+
+Every time here is an estimate from the cost model on a named reference GPU, never a
+measurement. Step times assume that backward costs twice the forward per op
+(``BACKWARD_FACTOR``), that branches on different streams overlap fully, and that the host
+is never the bottleneck; the host's fork/join cost is reported next to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from torch import nn
+
+from ._cost import H200, ReferenceGPU
+from ._dataflow_table import format_chain, render
+from ._observe import CallRecord, observe
+from ._plan import Plan, StageSource, as_stage_names, check_streams, plan
+from ._regions import call_dag
+from ._streams import Lane, RegionPlacement, assign_named, assign_regions, stage_edges
+
+__all__ = [
+    "BACKWARD_FACTOR",
+    "EdgeCount",
+    "LearnedPlan",
+    "LearnedStage",
+    "StageEdge",
+    "learn",
+    "learn_plan",
+]
+
+# Backward of a module costs about twice its forward (two matmuls per forward matmul).
+BACKWARD_FACTOR = 2.0
+
+Outcome = Literal["parallel", "no_parallelism", "named"]
+
+
+@dataclass(frozen=True)
+class LearnedStage:
+    """A stage of a learned plan: estimated forward device time over all its calls."""
+
+    name: str
+    stream: int
+    calls: int
+    device_us: float
+
+
+@dataclass(frozen=True)
+class StageEdge:
+    """Data flowing from one stage call to another (through the caller's stream or not).
+
+    ``chain_link``: both calls are links of one chain (the same branch of the same region,
+    or both outside every region); such an edge across streams splits a chain.
+    """
+
+    producer: str
+    consumer: str
+    producer_stream: int
+    consumer_stream: int
+    chain_link: bool
+
+    @property
+    def cross_stream(self) -> bool:
+        return self.producer_stream != self.consumer_stream
+
+
+@dataclass(frozen=True)
+class EdgeCount:
+    """Stage-to-stage dataflow edges of one forward: all, across streams, splitting a chain."""
+
+    edges: int
+    cross_stream: int
+    chain_splits: int
+
+
+@dataclass(frozen=True)
+class LearnedPlan:
+    """The plan learned from one forward (see the module docstring for the estimates).
+
+    Attributes:
+        stages: the stages in order of first call.
+        regions: every parallel region found, with its branches and their streams (empty
+            for named stages, whose streams come from another rule).
+        edges: one per (producer call, consumer call) pair of stages, in program order.
+        max_streams: the ``streams`` asked for.
+        outcome: ``"parallel"``; ``"no_parallelism"`` when no region was found (nothing to
+            overlap: the wrapper should stop calling its backend); ``"named"`` for stages
+            the user named (kept as written, only their streams learned).
+        longest_chain: the heaviest chain of calls from the root down (for a message).
+        gpu: the reference GPU the estimates are for.
+        forward_us, plan_forward_us: estimated forward device time on one stream and with
+            this plan (``None`` for named stages: not estimated).
+        fork_join_us: estimated host time of all stage calls' forks and joins per forward.
+        notes: modules that were not made stages, and why.
+    """
+
+    stages: tuple[LearnedStage, ...]
+    regions: tuple[RegionPlacement, ...]
+    edges: tuple[StageEdge, ...]
+    max_streams: int
+    outcome: Outcome
+    longest_chain: tuple[str, ...]
+    gpu: str
+    forward_us: float
+    plan_forward_us: float | None
+    fork_join_us: float
+    notes: tuple[str, ...]
+    record: CallRecord = field(repr=False, compare=False)
+    lanes: Mapping[int, Lane | None] = field(repr=False, compare=False)
+
+    @property
+    def stage_streams(self) -> dict[str, int]:
+        return {stage.name: stage.stream for stage in self.stages}
+
+    @property
+    def step_us(self) -> float:
+        """Estimated step time (forward and backward) on one stream."""
+        return self.forward_us * (1 + BACKWARD_FACTOR)
+
+    @property
+    def plan_step_us(self) -> float | None:
+        """Estimated step time with this plan (``None`` if not estimated)."""
+        return (
+            None if self.plan_forward_us is None else self.plan_forward_us * (1 + BACKWARD_FACTOR)
+        )
+
+    @property
+    def no_parallelism_message(self) -> str:
+        """The message for a ``DISABLED``/``no_parallelism`` event: the longest chain, named."""
+        return (
+            "no parallel region worth a side stream (estimated on "
+            f"{self.gpu}); longest chain: {format_chain(self.longest_chain)}"
+        )
+
+    def count_edges(self, stage_streams: Mapping[str, int]) -> EdgeCount:
+        """Count the stage edges of any plan (e.g. the static one) on this forward."""
+        edges = _edges(self.record, stage_streams, self.lanes)
+        cross = [e for e in edges if e.cross_stream]
+        return EdgeCount(len(edges), len(cross), sum(e.chain_link for e in cross))
+
+    def to_plan(self, model: nn.Module, source: StageSource = "dataflow") -> Plan:
+        """The :class:`Plan` for the scheduler: these stages, on these streams (none for
+        ``no_parallelism``), with this learned plan attached for its table."""
+        if not self.stages:
+            return Plan(stages=(), max_streams=self.max_streams, source=source, learned=self)
+        base = plan(model, self.max_streams, stages=[stage.name for stage in self.stages])
+        streams = self.stage_streams
+        stages = tuple(replace(stage, stream=streams[stage.name]) for stage in base.stages)
+        return Plan(stages=stages, max_streams=self.max_streams, source=source, learned=self)
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+def learn(
+    record: CallRecord,
+    streams: int = 4,
+    *,
+    gpu: ReferenceGPU = H200,
+    stages: Sequence[str] | None = None,
+) -> LearnedPlan:
+    """Learn a plan from one observed forward.
+
+    Args:
+        record: the root call, from :func:`~ooo_wrap._observe.observe`.
+        streams: the most side streams to use.
+        gpu: the reference GPU of the op costs (for the region rule and the estimates).
+        stages: dotted names of stages the user chose; kept as written, streams learned.
+
+    Returns:
+        The :class:`LearnedPlan`.
+    """
+    max_streams = check_streams(streams)
+    walk = assign_regions(record, max_streams, gpu)
+    notes: list[str] = []
+    outcome: Outcome
+    if stages is not None:
+        names = as_stage_names(stages, "stages=")
+        wanted = assign_named(record, names, max_streams)
+        for name in names:
+            if name not in wanted:  # e.g. a training-only head: any stream will do
+                wanted[name] = 0
+                notes.append(f"{name} was not called in the observed forward: any stream will do")
+        wanted = {name: wanted[name] for name in names}
+        outcome, plan_forward_us = "named", None
+    else:
+        wanted = _one_stream_per_module(record, walk.stage_stream, notes)
+        outcome = "parallel" if wanted else "no_parallelism"
+        plan_forward_us = walk.forward_us
+    renumber = {s: i for i, s in enumerate(dict.fromkeys(wanted.values()))}
+    stream_of = {name: renumber[s] for name, s in wanted.items()}
+    calls = [c for c in record.calls() if c.name in stream_of]
+    totals: dict[str, list[float]] = {}
+    for call in calls:
+        totals.setdefault(call.name, []).append(call.device_us)
+    learned = tuple(
+        LearnedStage(name, stream_of[name], len(totals.get(name, [])), sum(totals.get(name, [])))
+        for name in stream_of
+    )
+    regions = tuple(
+        replace(
+            region,
+            branches=tuple(
+                replace(b, stream=None if b.stream is None else renumber.get(b.stream))
+                for b in region.branches
+            ),
+        )
+        for region in walk.regions
+    )
+    stage_calls = sum(stage.calls for stage in learned)
+    return LearnedPlan(
+        stages=learned,
+        regions=regions if outcome != "named" else (),
+        edges=tuple(_edges(record, stream_of, walk.lanes)),
+        max_streams=max_streams,
+        outcome=outcome,
+        longest_chain=tuple(call.name for call in _longest_chain(record)),
+        gpu=gpu.name,
+        forward_us=record.device_us,
+        plan_forward_us=plan_forward_us,
+        fork_join_us=stage_calls * gpu.fork_join_us,
+        notes=tuple(notes),
+        record=record,
+        lanes=dict(walk.lanes),
+    )
+
+
+def learn_plan(
+    model: nn.Module,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    streams: int = 4,
+    stages: Sequence[str] | None = None,
+    gpu: ReferenceGPU = H200,
+) -> LearnedPlan:
+    """Run one forward of ``model`` under observation and learn its plan (see :func:`learn`).
+
+    Raises:
+        OOOConfigError: ``streams`` is not a positive int, or a name in ``stages`` is
+            unknown, repeated or overlaps another (as for :func:`ooo_wrap.plan`).
+
+    Example::
+
+        >>> learned = learn_plan(model, (torch.randn(8, 3, 32, 32),), streams=4)
+        >>> print(learned)
+    """
+    plan(model, streams, stages=stages)  # the same errors as the static plan, before running
+    record = observe(model, example_inputs, example_kwargs, gpu=gpu)
+    return learn(record, streams, gpu=gpu, stages=stages)
+
+
+def _one_stream_per_module(
+    record: CallRecord, stage_stream: Mapping[int, int], notes: list[str]
+) -> dict[str, int]:
+    """A stage is a module: keep it only if every call of it got the same side stream."""
+    placed: dict[str, set[int | None]] = {}
+    for call in record.calls():
+        placed.setdefault(call.name, set()).add(stage_stream.get(call.call_id))
+    chosen: dict[str, int] = {}
+    noted: set[str] = set()
+    for call in record.calls():  # pre-order: the order of first calls
+        if call.call_id not in stage_stream or call.name in chosen or call.name in noted:
+            continue
+        seen = placed[call.name]
+        if len(seen) == 1:
+            chosen[call.name] = stage_stream[call.call_id]
+            continue
+        noted.add(call.name)
+        where = ", ".join("caller" if s is None else str(s) for s in sorted(seen, key=str))
+        notes.append(f"{call.name} runs inline: its calls were placed on streams {where}")
+    return chosen
+
+
+def _longest_chain(record: CallRecord) -> list[CallRecord]:
+    """The heaviest chain of child calls, descending through single-child wrappers."""
+    call = record
+    while True:
+        chain = call_dag(call).heaviest_chain()
+        if len(chain) != 1 or not chain[0].children:
+            return chain
+        call = chain[0]
+
+
+def _edges(
+    record: CallRecord, stage_streams: Mapping[str, int], lanes: Mapping[int, Lane | None]
+) -> list[StageEdge]:
+    parent: dict[int, CallRecord] = {}
+    by_id: dict[int, CallRecord] = {}
+    for call in record.calls():
+        by_id[call.call_id] = call
+        for child in call.children:
+            parent[child.call_id] = call
+
+    def lane(call_id: int) -> Lane | None:
+        while call_id not in lanes and call_id in parent:
+            call_id = parent[call_id].call_id
+        return lanes.get(call_id)
+
+    stage_ids = _stage_call_ids(record, stage_streams)
+    found = []
+    for producer, consumer in stage_edges(record, stage_ids):
+        p, c = by_id[producer], by_id[consumer]
+        found.append(
+            StageEdge(
+                p.name,
+                c.name,
+                stage_streams[p.name],
+                stage_streams[c.name],
+                chain_link=lane(producer) == lane(consumer),
+            )
+        )
+    return found
+
+
+def _stage_call_ids(call: CallRecord, names: Mapping[str, int]) -> set[int]:
+    ids: set[int] = set()
+    for child in call.children:
+        ids |= {child.call_id} if child.name in names else _stage_call_ids(child, names)
+    return ids

@@ -1,0 +1,293 @@
+"""Watch one forward: the call tree of a model's modules, and what each op reads and writes.
+
+This is the only file in the core package that imports ``TorchDispatchMode`` (the race
+checker has its own, in ``ooo_wrap.testing``). PyTorch has no public API that shows each
+aten op with its schema and the tensors it touches; ``torch.cuda._sanitizer`` uses the same
+private class for the same reason. Module calls are seen through ordinary forward hooks.
+
+The record is a call tree, not a module tree: a module called twice appears twice. Each call
+holds, in program order, its own ops and its child calls. Each op names the storages it
+reads, writes in place and allocates, and carries an estimated device time from the cost
+model (an estimate on a named reference GPU, never a measurement). Nothing here touches a
+stream; the forward runs unchanged, on whatever device the model and inputs are on (the
+``meta`` device works for models without data-dependent shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
+
+from ._cost import H200, ReferenceGPU, estimate_op
+
+__all__ = ["CallRecord", "Observer", "OpRecord", "observe"]
+
+StorageKey = int
+# (func, args, kwargs, out) -> estimated device µs of one op.
+OpCostFn = Callable[[torch._ops.OpOverload, Sequence[Any], Mapping[str, Any], Any], float]
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One aten op: the storages it touched and its estimated device time (µs)."""
+
+    name: str
+    reads: tuple[StorageKey, ...]
+    writes: tuple[StorageKey, ...]  # existing storages written in place (or ``out=``)
+    fresh: tuple[StorageKey, ...]  # storages the op allocated (and wrote)
+    device_us: float
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One module call: its items (ops and child calls) in program order.
+
+    Attributes:
+        name: the module's dotted name (its first name in ``named_modules()``; ``""`` for
+            the root).
+        call_id: position of this call in the forward (pre-order), unique in one record.
+        items: the call's own ops and its child calls, in the order they ran.
+        device_us: estimated device time of every op inside the call, children included.
+    """
+
+    name: str
+    call_id: int
+    items: tuple[OpRecord | CallRecord, ...]
+    device_us: float
+
+    @property
+    def children(self) -> tuple[CallRecord, ...]:
+        """The child calls, in order."""
+        return tuple(item for item in self.items if isinstance(item, CallRecord))
+
+    def ops(self) -> Iterator[OpRecord]:
+        """Every op inside this call, children included, in program order."""
+        for item in self.items:
+            if isinstance(item, OpRecord):
+                yield item
+            else:
+                yield from item.ops()
+
+    def calls(self) -> Iterator[CallRecord]:
+        """This call and every call inside it, in pre-order."""
+        yield self
+        for child in self.children:
+            yield from child.calls()
+
+
+def _storage_key(tensor: torch.Tensor) -> StorageKey | None:
+    """The identity of ``tensor``'s storage, shared by its views (``None``: no storage).
+
+    ``_cdata`` is the address of the C++ StorageImpl: unlike ``data_ptr()`` it is distinct
+    on the ``meta`` device too, and PyTorch has no public storage identity. Like an address
+    it may be reused once the storage is freed; a reuse shows up as a fresh allocation.
+    """
+    if tensor.layout != torch.strided:
+        return None
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return int(storage._cdata)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _uses(
+    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
+) -> tuple[list[StorageKey], list[StorageKey], list[StorageKey]]:
+    """(reads, in-place writes, fresh allocations) of one op, from its schema."""
+    if func.is_view:  # a view launches no kernel and allocates nothing
+        return [], [], []
+    reads: list[StorageKey] = []
+    writes: list[StorageKey] = []
+    seen: set[StorageKey] = set()
+    for index, argument in enumerate(func._schema.arguments):
+        if index < len(args):
+            value = args[index]
+        elif argument.name in kwargs:
+            value = kwargs[argument.name]
+        else:
+            continue
+        is_write = argument.alias_info is not None and argument.alias_info.is_write
+        for tensor in _tensors(value):
+            key = _storage_key(tensor)
+            if key is not None and key not in seen:
+                seen.add(key)
+                (writes if is_write else reads).append(key)
+    fresh = []
+    for tensor in _tensors(out):
+        key = _storage_key(tensor)
+        if key is not None and key not in seen:
+            seen.add(key)
+            fresh.append(key)
+    return reads, writes, fresh
+
+
+@dataclass
+class _OpenCall:
+    name: str
+    call_id: int
+    items: list[OpRecord | CallRecord] = field(default_factory=list)
+    device_us: float = 0.0
+
+
+# The base class is untyped in torch: its constructor hooks are the untyped calls.
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Runs every op unchanged, then files it under the innermost open module call."""
+
+    def __init__(self, observer: Observer) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._observer = observer
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._observer._record(func, args, kwargs, out)
+        return out
+
+
+class Observer:
+    """Context manager that records one forward of ``model`` as a :class:`CallRecord`.
+
+    Hooks go on every sub-module for the duration of the ``with`` block only; they and the
+    dispatch mode are removed on exit, even if the forward raised. ``record`` is the root
+    call after a forward ran inside the block.
+
+    With ``inside_root=True`` the block is entered from inside the root's own call (a
+    forward pre-hook of the model, as the wrapper learns its plan) and left before that
+    call returns (from its forward hook): the root's call is opened on entering and closed
+    on leaving, instead of by hooks on the root.
+
+    Example::
+
+        >>> with Observer(model) as watch:
+        ...     out = model(x)
+        >>> watch.record.children
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        gpu: ReferenceGPU = H200,
+        op_cost: OpCostFn | None = None,
+        inside_root: bool = False,
+    ) -> None:
+        self._model = model
+        self._inside_root = inside_root
+        self._op_cost = op_cost or (lambda f, a, k, o: estimate_op(f, a, k, o, gpu).device_us)
+        self._stack: list[_OpenCall] = []
+        self._top: list[CallRecord] = []
+        self._next_id = 0
+        self._handles: list[RemovableHandle] = []
+        self._mode: _Recorder | None = None
+
+    @property
+    def record(self) -> CallRecord:
+        """The root call of the first forward seen (raises if none completed)."""
+        if not self._top:
+            raise RuntimeError("no forward of the model completed inside the Observer block")
+        return self._top[0]
+
+    def __enter__(self) -> Observer:
+        for name, module in self._model.named_modules():
+            if self._inside_root and module is self._model:
+                continue
+            pre = module.register_forward_pre_hook(self._pre_hook(name), prepend=True)
+            post = module.register_forward_hook(self._post_hook, always_call=True)
+            self._handles += [pre, post]
+        self._mode = _Recorder(self)
+        try:
+            self._mode.__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._remove_hooks()
+            raise
+        if self._inside_root:
+            self._pre_hook("")(self._model, ())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._inside_root and len(self._stack) == 1:  # the root call, and only it
+                self._post_hook(self._model, (), None)
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        finally:
+            self._mode = None
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._stack.append(_OpenCall(name, self._next_id))
+            self._next_id += 1
+
+        return hook
+
+    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._stack:
+            return
+        done = self._stack.pop()
+        record = CallRecord(done.name, done.call_id, tuple(done.items), done.device_us)
+        if self._stack:
+            self._stack[-1].items.append(record)
+            self._stack[-1].device_us += record.device_us
+        else:
+            self._top.append(record)
+
+    def _record(
+        self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
+    ) -> None:
+        if not self._stack:  # an op outside any module call (e.g. building inputs)
+            return
+        reads, writes, fresh = _uses(func, args, kwargs, out)
+        cost = float(self._op_cost(func, args, kwargs, out))
+        op = OpRecord(str(func), tuple(reads), tuple(writes), tuple(fresh), cost)
+        self._stack[-1].items.append(op)
+        self._stack[-1].device_us += cost
+
+
+def observe(
+    model: nn.Module,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    gpu: ReferenceGPU = H200,
+    op_cost: OpCostFn | None = None,
+) -> CallRecord:
+    """Run ``model(*args, **kwargs)`` once under observation and return its call tree.
+
+    Args:
+        model: the model; it runs unchanged (grad mode as the caller set it).
+        args, kwargs: its inputs.
+        gpu: the reference GPU the op costs are estimated for.
+        op_cost: replaces the cost model (``(func, args, kwargs, out) -> µs``), for tests.
+
+    Returns:
+        The root :class:`CallRecord`.
+    """
+    with Observer(model, gpu=gpu, op_cost=op_cost) as watch:
+        model(*args, **(kwargs or {}))
+    return watch.record

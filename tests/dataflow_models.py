@@ -1,0 +1,177 @@
+"""Models with known dataflow for the planner tests: where the parallel branches are is known.
+
+Sizes are chosen so the branches are worth a side stream under the cost model's reference
+GPU (several µs of estimated device time each); the convolutional ones run on the ``meta``
+device, so no CPU time is spent on them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def conv(c_in: int, c_out: int, k: int = 1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(c_in, c_out, k, padding=k // 2), nn.BatchNorm2d(c_out), nn.ReLU()
+    )
+
+
+class InceptionBlock(nn.Module):
+    """Four unequal branches: 1x1; 1x1 then 3x3; 1x1 then two 3x3; a bare max-pool.
+
+    Two branches are chains of child calls written out in ``forward``, not ``Sequential``s.
+    """
+
+    def __init__(self, c_in: int, width: int) -> None:
+        super().__init__()
+        self.b1 = conv(c_in, width)
+        self.b2 = conv(c_in, width // 2)
+        self.b2_conv = conv(width // 2, width, 3)
+        self.b3_reduce = conv(c_in, width // 4)  # a branch written as a chain of calls
+        self.b3_a = conv(width // 4, width // 2, 3)
+        self.b3_b = conv(width // 2, width, 3)
+        self.pool = nn.MaxPool2d(3, stride=1, padding=1)  # no parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b3 = self.b3_b(self.b3_a(self.b3_reduce(x)))
+        return torch.cat([self.b1(x), self.b2_conv(self.b2(x)), b3, self.pool(x)], dim=1)
+
+
+class Inception(nn.Module):
+    def __init__(self, blocks: int = 3, c: int = 64, width: int = 64) -> None:
+        super().__init__()
+        self.stem = conv(3, c, 3)
+        layers = []
+        for _ in range(blocks):
+            layers.append(InceptionBlock(c, width))
+            c += 3 * width
+        self.blocks = nn.Sequential(*layers)
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def inception_input() -> torch.Tensor:
+    return torch.empty(32, 3, 56, 56, device="meta")
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class ResidualChain(nn.Module):
+    def __init__(self, dim: int = 512, depth: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(ResidualBlock(dim) for _ in range(depth))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm attention (fused qkv, as in GPT-2) and MLP, each with a residual add."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int = 1000, dim: int = 256, depth: int = 4, ctx: int = 128) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(ctx, dim)
+        self.blocks = nn.ModuleList(GPTBlock(dim, 4) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_input() -> torch.Tensor:
+    return torch.randint(0, 1000, (8, 128))
+
+
+class TwoTower(nn.Module):
+    """A dual encoder: one embedding table shared by a query and a document tower."""
+
+    def __init__(self, vocab: int = 1000, dim: int = 256, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+
+        def tower() -> nn.Sequential:
+            return nn.Sequential(*(ResidualBlock(dim) for _ in range(depth)))
+
+        self.query_tower, self.doc_tower = tower(), tower()
+        self.query_proj, self.doc_proj = nn.Linear(dim, 128), nn.Linear(dim, 128)
+
+    def forward(self, query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+        q = self.query_proj(self.query_tower(self.embed(query)).mean(1))
+        d = self.doc_proj(self.doc_tower(self.embed(doc)).mean(1))
+        return q @ d.T
+
+
+def two_tower_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 1000, (16, 64)), torch.randint(0, 1000, (16, 128))
+
+
+class Expert(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.silu(self.up(x)))
+
+
+class MoE(nn.Module):
+    """Top-2 routed experts plus an always-on shared expert (Qwen2-MoE style)."""
+
+    def __init__(self, dim: int = 256, experts: int = 4, hidden: int = 512) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(experts))
+        self.shared = Expert(dim, 4 * hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.router(x).softmax(-1).topk(2, dim=-1)
+        routed = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            rows, slot = (chosen == index).nonzero(as_tuple=True)
+            routed = routed.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return routed + self.shared(x)
+
+
+def moe_input() -> torch.Tensor:
+    return torch.randn(2048, 256)
