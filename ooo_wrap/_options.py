@@ -28,12 +28,15 @@ class WrapOptions:
         backend: where streams come from; ``None`` for the real accelerator.
         profile_ranges: run each stage's forward inside
             ``torch.profiler.record_function("ooo/<stage name>")``.
+        overlap_forward: leave each stage's join pending until its output is touched,
+            so independent stages overlap in forward too.
     """
 
     streams: int = 4
     stages: Sequence[str] | None = None
     backend: Backend | None = None
     profile_ranges: bool = False
+    overlap_forward: bool = False
 
     def __post_init__(self) -> None:
         check_streams(self.streams)
@@ -46,6 +49,11 @@ class WrapOptions:
             raise OOOConfigError(
                 f"profile_ranges must be True or False, got {self.profile_ranges!r}; "
                 "pass profile_ranges=True to see stage names in profiler traces"
+            )
+        if not isinstance(self.overlap_forward, bool):
+            raise OOOConfigError(
+                f"overlap_forward must be True or False, got {self.overlap_forward!r}; "
+                "pass overlap_forward=True to let independent stages overlap in forward"
             )
 
 

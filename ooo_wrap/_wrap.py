@@ -90,6 +90,11 @@ class OOOModule(nn.Module):
         profile_ranges: run each stage's forward inside
             ``torch.profiler.record_function("ooo/<stage name>")`` so traces show stage
             names; off by default, and free when off.
+        overlap_forward: leave each stage's join with the caller's stream pending until
+            something touches its outputs (the next stage that receives them, any torch
+            operation or host read in the caller's code, the end of the forward), so
+            independent stages overlap in forward, and under ``torch.no_grad`` too;
+            off by default.
 
     Returns:
         ``model`` itself, wrapped or untouched.
@@ -97,9 +102,9 @@ class OOOModule(nn.Module):
     Raises:
         OOOConfigError: ``model`` is not a module, is already wrapped or is a
             ``DistributedDataParallel`` (wrap first, then DDP), ``streams`` is not a
-            positive int, ``profile_ranges`` is not a bool, ``backend`` is not a
-            backend, or the stage names are empty, unknown, repeated, the root, a
-            container or nested (see :func:`ooo_wrap.plan`).
+            positive int, ``profile_ranges`` or ``overlap_forward`` is not a bool,
+            ``backend`` is not a backend, or the stage names are empty, unknown,
+            repeated, the root, a container or nested (see :func:`ooo_wrap.plan`).
 
     Example::
 
@@ -116,10 +121,12 @@ class OOOModule(nn.Module):
         stages: Sequence[str] | None = None,
         backend: Backend | None = None,
         profile_ranges: bool = False,
+        overlap_forward: bool = False,
     ) -> Any:
         if cls is not OOOModule:  # OOO<Cls> has its own __new__ (_classswap.py)
             return super().__new__(cls)
-        return _wrap(model, WrapOptions(streams, stages, backend, profile_ranges))
+        options = WrapOptions(streams, stages, backend, profile_ranges, overlap_forward)
+        return _wrap(model, options)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # type.__call__ calls __init__ on what __new__ returned: the wrapped model, left
@@ -344,7 +351,9 @@ def _install(model: nn.Module, the_plan: Plan, options: WrapOptions, backend: Ba
         counters = Counters()
         # Picked here, once: without profile_ranges the hooks carry no profiling code.
         scheduler_class = ProfiledScheduler if options.profile_ranges else Scheduler
-        scheduler = scheduler_class(the_plan, streams, backend, log, counters)
+        scheduler = scheduler_class(
+            the_plan, streams, backend, log, counters, options.overlap_forward
+        )
         scheduler.install(model, handles)
         model.__class__ = wrapped_class(model, original_class, OOOModule)
         if _names(model) != names_before:  # the contract: wrapping renames nothing
