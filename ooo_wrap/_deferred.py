@@ -1,0 +1,229 @@
+"""Deferred joins for ``OOOModule(..., overlap_forward=True)``: join a stage on first touch.
+
+Without it, a stage's post-hook makes the caller's stream wait on the stage's join event
+at once, so stages run one after another in forward. With it, the wait is *pending* and
+is queued only when something could read the stage's results on the caller's stream:
+
+1. The next stage call that receives a pending output (directly, through a container, or
+   as a view: pending outputs are tracked by storage) makes *its* stream wait on the
+   pending event. The caller's stream stays unjoined, so independent siblings overlap.
+2. Any torch operation at the caller's level while a join is pending, host reads
+   (``.item()``, ``.cpu()``, ``print``) and ``.data_ptr()`` included: ``JoinOnTouch``, a
+   ``TorchFunctionMode``, joins everything pending at that level first. It is on the mode
+   stack only while a join is pending at the current level; a stage's pre-hook takes it
+   off, so a stage's own ops never pass through it.
+3. A stage's post-hook joins what its own sub-stages left pending into its stream before
+   recording its join event; the root's post-hook joins everything (its per-stream waits
+   cover the pending events: each was recorded earlier on one of those streams).
+4. A stage that raises is joined at once; an exception elsewhere reaches the root's
+   post-hook, which joins everything.
+
+Memory: each stage output is still ``record_stream``\\ ed to the caller's stream at the
+stage's return, and each input to the stage's stream at its call, so the allocator keeps
+a block until every stream that may use it is done, pending or not.
+
+What cannot be seen: work that never enters PyTorch's Python layer, such as a C++
+extension given a tensor at the caller's level, or a stage reading another stage's pending
+output through an attribute rather than an argument. ``ooo_wrap.testing.check(...,
+overlap_forward=True)`` reports the second as a race when the model does it.
+
+Levels: ``level`` is the number of stage calls in flight on the thread (the scheduler's
+frame stack), so the caller's level of a stage is the level its post-hook sees after
+popping its frame. Pending joins form a stack of non-decreasing levels.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+# TorchFunctionMode is public (torch.overrides); which mode is on top of the stack has no
+# public query, and popping a mode that is not on top would remove someone else's. These
+# two private functions are used only here, to pop ours only when it is on top.
+from torch._C import _get_function_stack_at, _len_torch_function_stack
+from torch.overrides import TorchFunctionMode
+
+from ._backend import Backend, Event, Stream
+from ._stats import Counters
+
+__all__ = [
+    "JoinOnTouch",
+    "Pending",
+    "defer",
+    "finish",
+    "join_from",
+    "pending_count",
+    "resume",
+    "suspend",
+    "wait_for_inputs",
+]
+
+
+class Pending:
+    """One stage call whose caller's stream has not yet waited on its join event."""
+
+    __slots__ = ("ambient", "backend", "counters", "done", "event", "level", "owner")
+
+    def __init__(
+        self,
+        level: int,
+        ambient: Stream,
+        event: Event,
+        backend: Backend,
+        counters: Counters,
+        owner: object,
+    ) -> None:
+        self.level = level
+        self.ambient = ambient
+        self.event = event
+        self.backend = backend
+        self.counters = counters
+        self.owner = owner
+        self.done = False
+
+
+class _State(threading.local):
+    """Per thread: the pending joins, their outputs' storages, and the mode if pushed."""
+
+    def __init__(self) -> None:
+        self.pending: list[Pending] = []
+        self.by_storage: dict[int, list[Pending]] = {}
+        self.mode: JoinOnTouch | None = None
+        self.pushed = False
+        self.quiet = 0  # >0 inside a scheduler hook whose own tensor reads must not join
+
+
+_state = _State()
+
+
+# Base class untyped in torch.
+class JoinOnTouch(TorchFunctionMode):  # type: ignore[misc]
+    """Joins every join pending at the current level before any torch operation there."""
+
+    def __init__(self, level: Callable[[], int]) -> None:
+        super().__init__()
+        self._level = level
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        state = _state
+        pending = state.pending
+        if pending and not state.quiet:
+            level = self._level()
+            if pending[-1].level >= level:
+                join_from(level)
+        return func(*args, **(kwargs or {}))
+
+
+def _keys(tensors: list[torch.Tensor]) -> list[int] | None:
+    """Storage identities of ``tensors``; ``None`` if one has no plain storage (vmap)."""
+    try:
+        return [t.untyped_storage()._cdata for t in tensors]
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def defer(
+    level: int,
+    ambient: Stream,
+    event: Event,
+    backend: Backend,
+    counters: Counters,
+    owner: object,
+    outputs: list[torch.Tensor],
+) -> bool:
+    """Leave the caller's wait on ``event`` pending; ``False`` if it must be joined now."""
+    keys = _keys(outputs)
+    if keys is None:
+        return False
+    entry = Pending(level, ambient, event, backend, counters, owner)
+    _state.pending.append(entry)
+    by_storage = _state.by_storage
+    for key in keys:
+        by_storage.setdefault(key, []).append(entry)
+    return True
+
+
+def wait_for_inputs(stream: Stream, backend: Backend, inputs: list[torch.Tensor]) -> int:
+    """Make ``stream`` wait on the pending join of every stage whose output (or a view of
+    it) is among ``inputs``; returns how many waits were queued."""
+    by_storage = _state.by_storage
+    if not by_storage:
+        return 0
+    keys = _keys(inputs)
+    if keys is None:  # cannot tell which: wait on them all
+        found = [p for p in _state.pending if not p.done]
+    else:
+        found = []
+        for key in keys:
+            for entry in by_storage.get(key, ()):
+                if not entry.done and entry not in found:
+                    found.append(entry)
+    for entry in found:
+        backend.wait_event(stream, entry.event)
+    return len(found)
+
+
+def join_from(level: int) -> None:
+    """Queue the caller's wait for every join pending at ``level`` or deeper."""
+    pending = _state.pending
+    while pending and pending[-1].level >= level:
+        entry = pending.pop()
+        entry.done = True
+        entry.backend.wait_event(entry.ambient, entry.event)
+        entry.counters.joins += 1
+    if not pending:
+        _state.by_storage.clear()
+
+
+def finish(first: int, owner: object) -> None:
+    """At a root's end: forget ``owner``'s joins pending since the ``first`` (the root's
+    per-stream waits, queued next, cover them: each event was recorded earlier on one of
+    the call's streams) and join anyone else's."""
+    pending = _state.pending
+    while len(pending) > first:
+        entry = pending.pop()
+        entry.done = True
+        if entry.owner is not owner:
+            entry.backend.wait_event(entry.ambient, entry.event)
+            entry.counters.joins += 1
+    if not pending:
+        _state.by_storage.clear()
+
+
+def pending_count() -> int:
+    """Joins pending on this thread (for tests and diagnostics)."""
+    return len(_state.pending)
+
+
+def suspend() -> None:
+    """Start of a scheduler hook: its own tensor reads must not join. Takes the mode off
+    the stack when it is on top, else keeps it quiet until :func:`resume`."""
+    state = _state
+    state.quiet += 1
+    if state.pushed and _len_torch_function_stack() > 0:
+        top = _get_function_stack_at(_len_torch_function_stack() - 1)
+        if top is state.mode:
+            state.mode.__exit__(None, None, None)
+            state.pushed = False
+
+
+def resume(level: int, depth_of: Callable[[], int]) -> None:
+    """End of a scheduler hook: put the mode on the stack iff a join is pending at
+    ``level`` (the level the code after the hook runs at)."""
+    state = _state
+    state.quiet -= 1
+    if state.pushed or not state.pending or state.pending[-1].level < level:
+        return
+    if state.mode is None:
+        state.mode = JoinOnTouch(depth_of)
+    state.mode.__enter__()
+    state.pushed = True
