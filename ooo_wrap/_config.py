@@ -14,7 +14,7 @@ from ._wrap import OOOModule, record_fallback
 
 __all__ = ["from_config"]
 
-_KNOWN_KEYS = ("ooo_backprop", "ooo_streams")
+_KNOWN_KEYS = ("ooo_backprop", "ooo_streams", "ooo_overlap_forward")
 
 logger = logging.getLogger("ooo_wrap")
 
@@ -23,7 +23,8 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
     """Wrap ``model`` as a trainer config says; the feature is off unless asked for.
 
     Keys read: ``ooo_backprop`` (bool, default ``False``), ``ooo_streams`` (positive int,
-    default 4) and ``compile`` (bool, default ``False``: when true the model is returned
+    default 4), ``ooo_overlap_forward`` (bool, default ``False``: see ``overlap_forward``
+    of :class:`OOOModule`) and ``compile`` (bool, default ``False``: when true the model is returned
     untouched with a warning, since the compiled path wins). Other keys are ignored, but
     an unknown ``ooo_*`` key is an error, so a typo cannot silently turn the feature off.
 
@@ -51,13 +52,14 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
             )
     enabled = _flag(config, "ooo_backprop")
     compiled = _flag(config, "compile")
+    overlap_forward = _flag(config, "ooo_overlap_forward")
     streams = check_streams(config.get("ooo_streams", 4), "config['ooo_streams']")
     if not enabled:
         logger.debug("ooo_backprop is off in the config; model left untouched")
         return model
     if compiled:
         return record_fallback(model, "compiled", warn=True)
-    wrapped: nn.Module = OOOModule(model, streams)
+    wrapped: nn.Module = OOOModule(model, streams, overlap_forward=overlap_forward)
     return wrapped
 
 

@@ -34,6 +34,7 @@ def check(
     streams: int = 4,
     stages: Sequence[str] | None = None,
     steps: int = 2,
+    overlap_forward: bool = False,
 ) -> CheckReport:
     """Train a copy of ``model`` on virtual streams and report every stream race.
 
@@ -52,6 +53,8 @@ def check(
         streams: side streams, as for :class:`~ooo_wrap.OOOModule`.
         stages: stage names, as for :class:`~ooo_wrap.OOOModule`.
         steps: training steps to run.
+        overlap_forward: check the wrapper with deferred joins, as
+            ``OOOModule(..., overlap_forward=True)`` runs it.
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
@@ -78,7 +81,13 @@ def check(
         raise OOOConfigError(f"steps must be a positive int, got {steps!r}")
     backend = DetectingBackend()
     model = _materialized(model, inputs)
-    wrapped = OOOModule(copy.deepcopy(model), streams, stages=stages, backend=backend)
+    wrapped = OOOModule(
+        copy.deepcopy(model),
+        streams,
+        stages=stages,
+        backend=backend,
+        overlap_forward=overlap_forward,
+    )
     plain = copy.deepcopy(model)
     wrapped_inputs, plain_inputs = _fresh(inputs), _fresh(inputs)
     with detect(backend, keep_alive=[wrapped]) as found:
