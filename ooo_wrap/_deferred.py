@@ -5,8 +5,9 @@ at once, so stages run one after another in forward. With it, the wait is *pendi
 is queued only when something could read the stage's results on the caller's stream:
 
 1. The next stage call that receives a pending output (directly, through a container, or
-   as a view: pending outputs are tracked by storage) makes *its* stream wait on the
-   pending event. The caller's stream stays unjoined, so independent siblings overlap.
+   as a view: pending outputs are tracked by storage), or an input a pending stage wrote
+   in place (its version counter moved), makes *its* stream wait on the pending event.
+   The caller's stream stays unjoined, so independent siblings overlap.
 2. Any torch operation at the caller's level while a join is pending, host reads
    (``.item()``, ``.cpu()``, ``print``) and ``.data_ptr()`` included: ``JoinOnTouch``, a
    ``TorchFunctionMode``, joins everything pending at that level first. It is on the mode
@@ -23,9 +24,10 @@ stage's return, and each input to the stage's stream at its call, so the allocat
 a block until every stream that may use it is done, pending or not.
 
 What cannot be seen: work that never enters PyTorch's Python layer, such as a C++
-extension given a tensor at the caller's level, or a stage reading another stage's pending
-output through an attribute rather than an argument. ``ooo_wrap.testing.check(...,
-overlap_forward=True)`` reports the second as a race when the model does it.
+extension given a tensor at the caller's level; a stage reading another stage's pending
+output through an attribute rather than an argument; a stage writing in place into a
+tensor that a pending sibling reads. ``ooo_wrap.testing.check(..., overlap_forward=True)``
+reports the last two as races when the model does them.
 
 Levels: ``level`` is the number of stage calls in flight on the thread (the scheduler's
 frame stack), so the caller's level of a stage is the level its post-hook sees after
@@ -58,7 +60,9 @@ __all__ = [
     "pending_count",
     "resume",
     "suspend",
+    "versions",
     "wait_for_inputs",
+    "written",
 ]
 
 
@@ -129,6 +133,26 @@ def _keys(tensors: list[torch.Tensor]) -> list[int] | None:
         return [t.untyped_storage()._cdata for t in tensors]
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def versions(inputs: list[torch.Tensor]) -> list[int]:
+    """The inputs' version counters (-1 where there is none: an inference tensor)."""
+    found = []
+    for tensor in inputs:
+        try:
+            found.append(tensor._version)
+        except RuntimeError:
+            found.append(-1)
+    return found
+
+
+def written(inputs: list[torch.Tensor], before: list[int]) -> list[torch.Tensor]:
+    """The inputs a stage wrote in place (or may have: no version counter to tell)."""
+    return [
+        tensor
+        for tensor, version in zip(inputs, before, strict=True)
+        if version < 0 or tensor._version != version
+    ]
 
 
 def defer(

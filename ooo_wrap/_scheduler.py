@@ -117,12 +117,15 @@ class _Frame:
     __slots__ = (
         "ambient",
         "events",
+        "inputs",
         "module",
         "outer_exception",
         "profile_range",
         "stage",
     )
     profile_range: torch.profiler.record_function
+    # Set only with overlap_forward: the inputs and their version counters at the call.
+    inputs: tuple[list[torch.Tensor], list[int]]
 
     def __init__(
         self,
@@ -398,7 +401,10 @@ class Scheduler:
             self._counters.waits += _deferred.wait_for_inputs(stream, backend, inputs)
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
-        frames.append(_Frame(stage, module, ambient, events))
+        frame = _Frame(stage, module, ambient, events)
+        if self.overlap_forward:
+            frame.inputs = (inputs, _deferred.versions(inputs))
+        frames.append(frame)
         if calls:
             call.used.add(stage.stream_index)
         counters = self._counters
@@ -444,7 +450,13 @@ class Scheduler:
                 and local.calls
                 and sys.exc_info()[1] is frame.outer_exception
                 and _deferred.defer(
-                    len(frames), ambient, event, backend, self._counters, self, outputs
+                    len(frames),
+                    ambient,
+                    event,
+                    backend,
+                    self._counters,
+                    self,
+                    outputs + _deferred.written(*frame.inputs),
                 )
             ):
                 backend.wait_event(ambient, event)

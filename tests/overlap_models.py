@@ -183,3 +183,70 @@ ACCEPTANCE = {
     "failing_second_tower": FailingSecondTower,
     "residual_chain": ResidualChain,
 }
+
+
+class Outer(nn.Module):
+    """A stage whose forward calls another stage (held outside its sub-modules) and
+    returns that stage's output as its own."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.scale = nn.Linear(DIM, DIM)
+        object.__setattr__(self, "inner", inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(self.scale(x))  # type: ignore[operator]
+        return out
+
+
+class NestedCall(nn.Module):
+    """Stage ``outer`` calls stage ``inner`` inside its forward; the parent reads the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(DIM, DIM)
+        self.outer = Outer(self.inner)
+        self.other = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.outer(x)
+        return torch.tanh(h) + self.other(x)
+
+
+class TowersReturned(nn.Module):
+    """Towers whose outputs the model returns untouched: only the root's join orders them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(DIM, DIM)
+        self.right = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.left(x), self.right(x)
+
+
+class Fill(nn.Module):
+    """Writes its result into ``out`` in place and returns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(self.linear(x))
+
+
+class InPlaceFill(nn.Module):
+    """Stage ``fill`` writes into a view of a buffer; stage ``c`` then reads the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fill = Fill()
+        self.c = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buf = x.new_zeros(x.shape[0], 2 * DIM)
+        left = buf[:, :DIM]
+        self.fill(x, left)
+        out: torch.Tensor = self.c(buf)
+        return out

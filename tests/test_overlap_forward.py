@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 import overlap_models as om
 import pytest
@@ -211,7 +212,7 @@ class BarrierTowers(om.TowersSum):
     """Towers whose forward meets another thread's while its joins are pending."""
 
     barrier = threading.Barrier(2)
-    seen: list[int] = []
+    seen: ClassVar[list[int]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = [tower(x) for tower in self.towers]
