@@ -123,6 +123,7 @@ def measure_point(
     seed: int = 0,
     lr: float = 1e-4,
     backend: Any = None,
+    overlap_forward: bool = False,
 ) -> dict[str, Any]:
     """Measure ``point`` on ``device``; returns the JSON-ready record of both sides.
 
@@ -137,6 +138,7 @@ def measure_point(
         lr: SGD learning rate (momentum 0.9); small, so that nothing diverges.
         backend: passed to :class:`ooo_wrap.OOOModule`; ``None`` for the real device
             (the tests pass a ``SimulatedBackend`` to run this code on a CPU).
+        overlap_forward: wrap with ``overlap_forward=True`` (deferred joins).
     """
     if steps < 1 or warmup < 0 or mem_steps < 1:
         raise ValueError("need steps >= 1, warmup >= 0 and mem_steps >= 1")
@@ -150,7 +152,9 @@ def measure_point(
     def make_side(name: str, reference: nn.Module) -> _Side:
         model = copy.deepcopy(reference)
         if name == "wrapped":
-            model = ooo_wrap.OOOModule(model, streams=streams, backend=backend)
+            model = ooo_wrap.OOOModule(
+                model, streams=streams, backend=backend, overlap_forward=overlap_forward
+            )
         return _Side(name, model, lr)
 
     record: dict[str, Any] = {

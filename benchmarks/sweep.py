@@ -90,6 +90,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--steps", type=int, default=30, help="steady-state steps per side")
     g.add_argument("--mem-steps", type=int, default=3, help="steps per side for peak memory")
     g.add_argument("--streams", type=int, default=4, help="OOOModule(streams=...)")
+    g.add_argument(
+        "--overlap-forward",
+        action="store_true",
+        help="wrap with OOOModule(overlap_forward=True): stage joins deferred until touched",
+    )
     g.add_argument("--seed", type=int, default=0, help="seeds parameters and batch")
     g.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate (momentum 0.9)")
     g.add_argument(

@@ -113,6 +113,25 @@ def test_measure_point_on_cpu_with_virtual_streams(dtype: Any) -> None:
     assert wrapped["final_loss"] == record["plain"]["final_loss"]  # same math on the CPU
 
 
+def test_measure_point_with_overlap_forward_defers_the_joins() -> None:
+    """The suite's --overlap-forward switch is recorded and reaches the wrapper."""
+    args = suite.parse_args(["--overlap-forward"])
+    assert args.overlap_forward and suite._settings(args)["overlap_forward"]
+    spec = SMALL["towers"]
+    record = measure_point(
+        Point(spec, 2, "float32"),
+        CPU,
+        warmup=1,
+        steps=2,
+        mem_steps=1,
+        backend=SimulatedBackend(),
+        overlap_forward=True,
+    )
+    wrapped = record["wrapped"]
+    assert wrapped["active"] and wrapped["stats_per_step"]["stage_calls"] == 3
+    assert wrapped["final_loss"] == record["plain"]["final_loss"]
+
+
 def test_measure_point_rejects_no_steps() -> None:
     with pytest.raises(ValueError, match="steps"):
         measure_point(Point(SMALL["towers"], 2, "float32"), CPU, steps=0)
