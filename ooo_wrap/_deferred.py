@@ -13,9 +13,11 @@ is queued only when something could read the stage's results on the caller's str
    ``TorchFunctionMode``, joins everything pending at that level first. It is on the mode
    stack only while a join is pending at the current level; a stage's pre-hook takes it
    off, so a stage's own ops never pass through it.
-3. A stage's post-hook joins what its own sub-stages left pending into its stream before
-   recording its join event; the root's post-hook joins everything (its per-stream waits
-   cover the pending events: each was recorded earlier on one of those streams).
+3. The root's post-hook joins everything (its per-stream waits cover the pending
+   events: each was recorded earlier on one of those streams). A stage called inside
+   another stage's forward leaves its join pending at that inner level; it is completed
+   by whatever touches its output later, at any level (2. makes the stream the touching
+   operation runs on wait too), so the outer stage's end needs no join of its own.
 4. A stage that raises is joined at once; an exception elsewhere reaches the root's
    post-hook, which joins everything.
 
@@ -27,11 +29,15 @@ What cannot be seen: work that never enters PyTorch's Python layer, such as a C+
 extension given a tensor at the caller's level; a stage reading another stage's pending
 output through an attribute rather than an argument; a stage writing in place into a
 tensor that a pending sibling reads. ``ooo_wrap.testing.check(..., overlap_forward=True)``
-reports the last two as races when the model does them.
+reports the last two as races when the model does them, and parent code that orders a
+stream of its own after the caller's (``wait_stream``, an event) before its first touch:
+stream and event calls are no torch operations, so that order misses the pending join
+unless the touch runs on that stream (see ``join_from``).
 
 Levels: ``level`` is the number of stage calls in flight on the thread (the scheduler's
 frame stack), so the caller's level of a stage is the level its post-hook sees after
-popping its frame. Pending joins form a stack of non-decreasing levels.
+popping its frame. A touch at one level joins what is pending at that level and
+deeper, which includes every inner stage whose output it can reach.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ __all__ = [
 class Pending:
     """One stage call whose caller's stream has not yet waited on its join event."""
 
-    __slots__ = ("ambient", "backend", "counters", "done", "event", "level", "owner")
+    __slots__ = ("ambient", "backend", "counters", "device", "done", "event", "level", "owner")
 
     def __init__(
         self,
@@ -79,8 +85,10 @@ class Pending:
         backend: Backend,
         counters: Counters,
         owner: object,
+        device: torch.device,
     ) -> None:
         self.level = level
+        self.device = device
         self.ambient = ambient
         self.event = event
         self.backend = backend
@@ -103,8 +111,7 @@ class _State(threading.local):
 _state = _State()
 
 
-# Base class untyped in torch.
-class JoinOnTouch(TorchFunctionMode):  # type: ignore[misc]
+class JoinOnTouch(TorchFunctionMode):
     """Joins every join pending at the current level before any torch operation there."""
 
     def __init__(self, level: Callable[[], int]) -> None:
@@ -123,7 +130,7 @@ class JoinOnTouch(TorchFunctionMode):  # type: ignore[misc]
         if pending and not state.quiet:
             level = self._level()
             if pending[-1].level >= level:
-                join_from(level)
+                join_from(level, touched=True)
         return func(*args, **(kwargs or {}))
 
 
@@ -162,13 +169,14 @@ def defer(
     backend: Backend,
     counters: Counters,
     owner: object,
+    device: torch.device,
     outputs: list[torch.Tensor],
 ) -> bool:
     """Leave the caller's wait on ``event`` pending; ``False`` if it must be joined now."""
     keys = _keys(outputs)
     if keys is None:
         return False
-    entry = Pending(level, ambient, event, backend, counters, owner)
+    entry = Pending(level, ambient, event, backend, counters, owner, device)
     _state.pending.append(entry)
     by_storage = _state.by_storage
     for key in keys:
@@ -196,14 +204,25 @@ def wait_for_inputs(stream: Stream, backend: Backend, inputs: list[torch.Tensor]
     return len(found)
 
 
-def join_from(level: int) -> None:
-    """Queue the caller's wait for every join pending at ``level`` or deeper."""
+def join_from(level: int, *, touched: bool = False) -> None:
+    """Queue the caller's wait for every join pending at ``level`` or deeper.
+
+    ``touched``: an operation is about to run at the caller's level. The parent may have
+    switched streams itself since the stage returned (``with torch.cuda.stream(own)``,
+    after ``own.wait_stream(caller)``, which ordered nothing pending), so the stream the
+    operation runs on waits too when it is not the caller's.
+    """
     pending = _state.pending
     while pending and pending[-1].level >= level:
         entry = pending.pop()
         entry.done = True
-        entry.backend.wait_event(entry.ambient, entry.event)
+        backend = entry.backend
+        backend.wait_event(entry.ambient, entry.event)
         entry.counters.joins += 1
+        if touched:
+            current = backend.current_stream(entry.device)
+            if current != entry.ambient:
+                backend.wait_event(current, entry.event)
     if not pending:
         _state.by_storage.clear()
 
@@ -249,5 +268,5 @@ def resume(level: int, depth_of: Callable[[], int]) -> None:
         return
     if state.mode is None:
         state.mode = JoinOnTouch(depth_of)
-    state.mode.__enter__()
+    state.mode.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
     state.pushed = True

@@ -436,9 +436,6 @@ class Scheduler:
                 if unseen:
                     self._report_unseen(stage, unseen)
                 recorded = _record_stream(backend, outputs, stage.device, ambient)
-                if self.overlap_forward:
-                    # Sub-stages' pending joins first, so that e covers them.
-                    _deferred.join_from(len(frames) + 1)
                 events = frame.events
                 events[1] = event = backend.record_event(stream, events[1])
             finally:
@@ -456,14 +453,13 @@ class Scheduler:
                     backend,
                     self._counters,
                     self,
+                    stage.device,
                     outputs + _deferred.written(*frame.inputs),
                 )
             ):
                 backend.wait_event(ambient, event)
                 self._counters.joins += 1
             self._counters.record_streams += recorded
-        elif self.overlap_forward:
-            _deferred.join_from(len(frames) + 1)  # an inline stage's sub-stages
         error = sys.exc_info()[1]
         # A checkpoint that stops recomputing early raises through the stage on purpose.
         if (

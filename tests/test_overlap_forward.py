@@ -37,6 +37,16 @@ def test_acceptance_models_are_clean_with_bitwise_parity(name: str) -> None:
     assert _idle()
 
 
+@pytest.mark.parametrize("factory", [om.NestedCall, om.InPlaceFill, om.TowersReturned])
+def test_more_models_are_clean(factory: type[nn.Module]) -> None:
+    """A stage called inside another's forward, a stage writing into a view of a buffer
+    the next stage reads, and towers returned untouched."""
+    torch.manual_seed(0)
+    report = check(factory(), om.inputs(), overlap_forward=True)
+    assert report.ok, str(report)
+    assert _idle()
+
+
 def _join_of(log: list[ooo_wrap.testing.StreamCall], stream: VirtualStream) -> tuple[int, int]:
     """(index of the stage's join-event record, index of the caller's wait on it)."""
     record = next(i for i, c in enumerate(log) if c.op == "record_event" and c.stream == stream)

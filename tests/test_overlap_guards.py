@@ -21,6 +21,7 @@ from ooo_wrap.testing import CheckReport, DetectingBackend, RaceKind, check
 from ooo_wrap.testing import _check as check_module
 
 RAW = RaceKind.READ_AFTER_WRITE
+CPU = torch.device("cpu")
 
 
 def _check(factory: Callable[[], nn.Module]) -> CheckReport:
@@ -101,22 +102,6 @@ def test_without_the_root_join_the_loss_reads_unfinished_towers(
     assert _raw(report, "left", "default") and _raw(report, "right", "default"), str(report)
 
 
-def test_without_joining_sub_stages_at_a_stages_end_its_join_misses_them(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert _check(om.NestedCall).ok
-    original = _deferred.join_from
-
-    def join_from(level: int) -> None:
-        if level > 0:  # the post-hook's join of its sub-stages (the only call above 0 here)
-            return
-        original(level)
-
-    monkeypatch.setattr(_deferred, "join_from", join_from)
-    report = _check(om.NestedCall)
-    assert _raw(report, "inner", "default"), str(report)
-
-
 class CapturedSecond(nn.Module):
     """Stage ``b`` runs under a (simulated) graph capture, so inline on the caller's
     stream, and reads stage ``a``'s pending output there."""
@@ -157,7 +142,7 @@ def test_without_the_join_before_an_inline_stage_it_reads_an_unfinished_stage(
 
     def pre_hook(self: Scheduler, *args: Any) -> None:
         join_from = _deferred.join_from
-        _deferred.join_from = lambda level: None  # type: ignore[assignment]
+        _deferred.join_from = lambda level, **kwargs: None  # type: ignore[assignment]
         try:
             original(self, *args)
         finally:
@@ -166,3 +151,61 @@ def test_without_the_join_before_an_inline_stage_it_reads_an_unfinished_stage(
     monkeypatch.setattr(Scheduler, "_stage_pre_hook", pre_hook)
     report = _check(CapturedSecond)
     assert _raw(report, "a", "default"), str(report)
+
+
+class SwitchAfter(nn.Module):
+    """After stage ``a`` returns, the parent reads its output on a stream of its own,
+    which it orders after its caller's stream the usual way (an event and a wait): that
+    wait comes before the deferred join, so the join must reach that stream too."""
+
+    backends: ClassVar[list[DetectingBackend]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(om.DIM, om.DIM)
+        self.b = nn.Linear(om.DIM, om.DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        other = self.b(x)
+        backend = self.backends[-1]
+        caller = backend.current_stream(CPU)  # CPU made outside: torch.device() joins too
+        own = backend.new_stream(CPU)
+        backend.wait_event(own, backend.record_event(caller))
+        backend.set_stream(own)
+        try:
+            backend.record_stream(h, own)  # the first touch of h, on the parent's stream
+            y = h * 2
+        finally:
+            backend.set_stream(caller)
+        backend.record_stream(y, caller)
+        backend.wait_event(caller, backend.record_event(own))
+        return y + other
+
+
+@pytest.fixture
+def switch_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Recorded(DetectingBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            SwitchAfter.backends.append(self)
+
+    monkeypatch.setattr(check_module, "DetectingBackend", Recorded)
+    monkeypatch.setattr(SwitchAfter, "backends", [])
+
+
+@pytest.mark.usefixtures("switch_backends")
+def test_a_touch_on_a_stream_the_parent_switched_to_waits_there_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _check(SwitchAfter).ok
+    original = _deferred.join_from
+    monkeypatch.setattr(_deferred, "join_from", lambda level, touched=False: original(level))
+    report = _check(SwitchAfter)
+    assert any(
+        r.kind is RAW
+        and r.earlier.stage == "a"
+        and r.later.op == "aten.mul.Tensor"
+        and r.later.stream == "side3"
+        for r in report.races
+    ), str(report)
