@@ -286,3 +286,30 @@ def test_from_config_reads_ooo_overlap_forward(monkeypatch: pytest.MonkeyPatch) 
 def test_overlap_forward_must_be_a_bool() -> None:
     with pytest.raises(ooo_wrap.OOOConfigError, match="overlap_forward must be True or False"):
         ooo_wrap.OOOModule(om.TowersSum(), backend=SimulatedBackend(), overlap_forward="yes")
+
+
+class Interrupted(om.TowersSum):
+    """Raises KeyboardInterrupt in the parent while a join is pending: PyTorch's
+    always-called hooks do not run for it."""
+
+    interrupt = True
+    pending_at_start = -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.pending_at_start = _deferred.pending_count()
+        outs = [tower(x) for tower in self.towers]
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return torch.stack(outs).sum(0)
+
+
+def test_an_interrupted_forward_is_joined_when_the_next_one_starts() -> None:
+    model = Interrupted()
+    _wrap(model)
+    with pytest.raises(KeyboardInterrupt):
+        model(om.inputs())
+    assert _deferred.pending_count() == 3  # nothing ran after the interrupt
+    model.interrupt = False
+    model(om.inputs())
+    assert model.pending_at_start == 0  # the root's start joined what was left
+    assert _idle()
