@@ -170,20 +170,12 @@ def test_a_stage_that_raises_is_joined_at_once() -> None:
     model = om.FailingSecondTower()
     _wrap(model)
     seen: list[int] = []
-    original = om.Raises.forward
-
-    def forward(self: om.Raises, x: torch.Tensor) -> torch.Tensor:
-        seen.append(_deferred.pending_count())  # the first tower is pending here
-        return original(self, x)
-
-    om.Raises.forward = forward  # type: ignore[method-assign]
-    try:
-        before = model.stats.joins
-        model(om.inputs())
-    finally:
-        om.Raises.forward = original  # type: ignore[method-assign]
-    assert seen == [1]
-    assert model.stats.joins > before and _idle()
+    model.third.register_forward_pre_hook(
+        lambda module, args: seen.append(_deferred.pending_count())
+    )
+    model(om.inputs())
+    assert seen == [1]  # the first tower still pending; the failed second joined already
+    assert _idle()
 
 
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
