@@ -18,6 +18,11 @@ For one stage call, with ``ambient`` the caller's current stream and ``s`` the s
 5. Root post-hook: the current stream waits on every stage stream used in the call,
    before the output (and the loss) reaches the host.
 
+With ``overlap_forward`` the wait of step 4 is left pending until something touches the
+stage's results, and step 1 also waits on the pending joins of the stages whose outputs
+the call receives (``_deferred.py``); the hooks are then wrapped so that their own reads
+of the tensors do not count as touches.
+
 ``_profiling.ProfiledScheduler`` adds profiler ranges around steps 3-4 by overriding the
 two stage hooks, so a model wrapped without ``profile_ranges`` pays nothing for them.
 """
@@ -150,17 +155,15 @@ class _Call:
         "bypass",
         "called",
         "first_pending",
-        "level",
         "module",
         "owner",
         "ran_inline",
         "used",
     )
 
-    def __init__(self, owner: Scheduler, module: nn.Module, level: int) -> None:
+    def __init__(self, owner: Scheduler, module: nn.Module) -> None:
         self.owner = owner
         self.module = module
-        self.level = level  # stage calls in flight on the thread when the root started
         # Joins already pending on the thread (overlap_forward): not this call's to end.
         self.first_pending = _deferred.pending_count() if owner.overlap_forward else 0
         self.used: set[int] = set()  # stream indexes of the stages it ran
@@ -285,7 +288,7 @@ class Scheduler:
         local = self._local
         if local.frames or local.calls:
             _drop_stale_calls(module)
-        local.calls.append(_Call(self, module, len(local.frames)))
+        local.calls.append(_Call(self, module))
 
     def _root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
