@@ -50,8 +50,15 @@ import torch
 
 # TorchFunctionMode is public (torch.overrides); which mode is on top of the stack has no
 # public query, and popping a mode that is not on top would remove someone else's. These
-# two private functions are used only here, to pop ours only when it is on top.
-from torch._C import _get_function_stack_at, _len_torch_function_stack
+# private functions are used only here: to pop ours only when it is on top, and to push
+# and pop it directly (what the mode's __enter__/__exit__ do, one Python call less, twice
+# per stage call).
+from torch._C import (
+    _get_function_stack_at,
+    _len_torch_function_stack,
+    _pop_torch_function_stack,
+    _push_on_torch_function_stack,
+)
 from torch.overrides import TorchFunctionMode
 
 from ._backend import Backend, Event, Stream
@@ -144,13 +151,17 @@ def _keys(tensors: list[torch.Tensor]) -> list[int] | None:
 
 def versions(inputs: list[torch.Tensor]) -> list[int]:
     """The inputs' version counters (-1 where there is none: an inference tensor)."""
-    found = []
-    for tensor in inputs:
-        try:
-            found.append(tensor._version)
-        except RuntimeError:
-            found.append(-1)
-    return found
+    try:
+        return [tensor._version for tensor in inputs]
+    except RuntimeError:
+        return [_version(tensor) for tensor in inputs]
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
 
 
 def written(inputs: list[torch.Tensor], before: list[int]) -> list[torch.Tensor]:
@@ -252,10 +263,10 @@ def suspend() -> None:
     the stack when it is on top, else keeps it quiet until :func:`resume`."""
     state = _state
     state.quiet += 1
-    if state.pushed and _len_torch_function_stack() > 0:
-        top = _get_function_stack_at(_len_torch_function_stack() - 1)
-        if top is state.mode:
-            state.mode.__exit__(None, None, None)
+    if state.pushed:
+        depth = _len_torch_function_stack()
+        if depth and _get_function_stack_at(depth - 1) is state.mode:
+            _pop_torch_function_stack()
             state.pushed = False
 
 
@@ -268,5 +279,5 @@ def resume(level: int, depth_of: Callable[[], int]) -> None:
         return
     if state.mode is None:
         state.mode = JoinOnTouch(depth_of)
-    state.mode.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
+    _push_on_torch_function_stack(state.mode)
     state.pushed = True
