@@ -306,3 +306,14 @@ def test_an_interrupted_forward_is_joined_when_the_next_one_starts() -> None:
     model(x)  # made before: no torch call in between joins
     assert model.pending_at_start == 0  # the root's start joined what was left
     assert _idle()
+
+
+def test_profile_ranges_and_overlap_forward_together() -> None:
+    model = om.TowersSum()
+    backend = SimulatedBackend(keep_all=True)
+    ooo_wrap.OOOModule(model, backend=backend, overlap_forward=True, profile_ranges=True)
+    with torch.profiler.profile() as prof:
+        model(om.inputs()).sum().backward()
+    names = {event.name for event in prof.events()}
+    assert {"ooo/towers.0", "ooo/towers.1", "ooo/towers.2"} <= names
+    assert model.stats.stage_calls == 3 and _idle()
