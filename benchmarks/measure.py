@@ -126,6 +126,7 @@ def measure_point(
     lr: float = 1e-4,
     backend: Any = None,
     planner: str = "dataflow",
+    overlap_forward: bool = False,
 ) -> dict[str, Any]:
     """Measure ``point`` on ``device``; returns the JSON-ready record of both sides.
 
@@ -142,6 +143,7 @@ def measure_point(
             (the tests pass a ``SimulatedBackend`` to run this code on a CPU).
         planner: ``OOOModule(planner=...)``: ``"dataflow"`` learns the plan on the wrapped
             side's first step (a warm-up or memory step, inline), ``"static"`` does not.
+        overlap_forward: wrap with ``overlap_forward=True`` (deferred joins).
     """
     if steps < 1 or warmup < 0 or mem_steps < 1:
         raise ValueError("need steps >= 1, warmup >= 0 and mem_steps >= 1")
@@ -160,6 +162,7 @@ def measure_point(
                 streams=streams,
                 backend=backend,
                 planner=planner,  # type: ignore[arg-type]
+                overlap_forward=overlap_forward,
             )
         return _Side(name, model, lr)
 

@@ -12,6 +12,12 @@ These use ``planner="static"``, so that every one of the 24 stages forks from th
 The same chain wrapped with the default ``dataflow`` planner learns ``no_parallelism`` on
 its first forward and then has no hook at all: :func:`measure_no_parallelism` times it
 against the plain model (target: within noise of zero) and counts its backend calls.
+
+``--overlap-forward`` times deferred joins (``OOOModule(..., overlap_forward=True)``) beside
+the eager joins on three 24-stage models: the chain (each stage feeds the next directly),
+the chain with a parent op between every pair of stages (the worst case: every stage's
+join is intercepted by the first op after it), and 24 independent towers summed at the
+end (the best case: no op between stage calls).
 """
 
 from __future__ import annotations
@@ -120,6 +126,30 @@ class Chain(nn.Module):
         return x
 
 
+class ParentOpChain(Chain):
+    """The chain with a parent op between every pair of stages."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x) + 1.0
+        return x
+
+
+class Towers(Chain):
+    """Independent stages on one input, summed once at the end."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [stage(x) for stage in self.stages]
+        return torch.stack(outs).sum(0)
+
+
+MODELS: dict[str, type[Chain]] = {
+    "chain": Chain,
+    "chain_parent_op": ParentOpChain,
+    "towers": Towers,
+}
+
+
 def _time_forwards(model: nn.Module, x: torch.Tensor, calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
@@ -153,6 +183,38 @@ def measure(
         "wrapped_us_per_forward": statistics.median(wrapped_us),
         "added_us_per_stage_call": statistics.median(added_us),
     }
+
+
+def measure_overlap(repeats: int = 30, calls: int = 200, warmup: int = 200) -> dict[str, Any]:
+    """Per model of ``MODELS``: median µs per plain forward and µs added per stage call
+    with eager joins and with ``overlap_forward=True``, all interleaved."""
+    results: dict[str, Any] = {}
+    x = torch.ones(1)
+    for name, factory in MODELS.items():
+        plain = factory()
+        sides = {
+            "plain": plain,
+            "eager": ooo_wrap.OOOModule(copy.deepcopy(plain), backend=NullBackend()),
+            "overlap": ooo_wrap.OOOModule(
+                copy.deepcopy(plain), backend=NullBackend(), overlap_forward=True
+            ),
+        }
+        for model in sides.values():
+            _time_forwards(model, x, warmup)
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        for _ in range(repeats):  # interleaved, so drift hits every side alike
+            for side, model in sides.items():
+                times[side].append(_time_forwards(model, x, calls) / calls * 1e6)
+        results[name] = {
+            "plain_us_per_forward": statistics.median(times["plain"]),
+            **{
+                f"{side}_added_us_per_stage_call": statistics.median(
+                    (t - p) / NUM_STAGES for t, p in zip(times[side], times["plain"], strict=True)
+                )
+                for side in ("eager", "overlap")
+            },
+        }
+    return results
 
 
 def count_backend_calls(forwards: int = 100) -> dict[str, float]:
@@ -257,6 +319,12 @@ def main() -> None:
         "--profile-ranges", action="store_true", help="wrap with profile_ranges=True"
     )
     parser.add_argument(
+        "--overlap-forward",
+        action="store_true",
+        help="time overlap_forward=True beside eager joins on the chain, the chain with "
+        "a parent op between stages, and independent towers",
+    )
+    parser.add_argument(
         "--compare-with",
         metavar="DIR",
         help="also time the ooo_wrap package under DIR, interleaved in this process",
@@ -268,6 +336,17 @@ def main() -> None:
             f"added per stage call: this {both['this_us_per_stage_call']:.2f} µs, "
             f"{args.compare_with} {both['other_us_per_stage_call']:.2f} µs"
         )
+        return
+    if args.overlap_forward:
+        table = measure_overlap(args.repeats, args.calls)
+        print(f"torch {torch.__version__}, {NUM_STAGES} stages, median of {args.repeats} repeats")
+        print("µs added per stage call     eager joins  overlap_forward  (plain forward µs)")
+        for name, row in table.items():
+            print(
+                f"  {name:<26}{row['eager_added_us_per_stage_call']:10.2f}"
+                f"{row['overlap_added_us_per_stage_call']:17.2f}"
+                f"  ({row['plain_us_per_forward']:.1f})"
+            )
         return
     result = measure(args.repeats, args.calls, profile_ranges=args.profile_ranges)
     print(f"torch {torch.__version__}, {NUM_STAGES} stages, median of {args.repeats} repeats")

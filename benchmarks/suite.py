@@ -210,6 +210,7 @@ def _measure_points(
                 steps=args.steps,
                 mem_steps=args.mem_steps,
                 streams=args.streams,
+                overlap_forward=args.overlap_forward,
                 seed=args.seed,
                 lr=args.lr,
                 planner=point.planner or args.planner,
@@ -263,6 +264,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "mem_steps": args.mem_steps,
         "streams": args.streams,
         "planner": args.planner,
+        "overlap_forward": args.overlap_forward,
         "seed": args.seed,
         "optimizer": OPTIMIZER.format(lr=args.lr),
         "timing": "per step: synchronize, perf_counter, zero_grad + forward (autocast for "

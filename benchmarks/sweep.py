@@ -96,6 +96,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="both",
         help="OOOModule(planner=...); 'both' measures every point with each, side by side",
     )
+    g.add_argument(
+        "--overlap-forward",
+        action="store_true",
+        help="wrap with OOOModule(overlap_forward=True): stage joins deferred until touched",
+    )
     g.add_argument("--seed", type=int, default=0, help="seeds parameters and batch")
     g.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate (momentum 0.9)")
     g.add_argument(

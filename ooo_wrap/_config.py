@@ -16,7 +16,7 @@ from ._wrap import OOOModule, record_fallback
 
 __all__ = ["from_config"]
 
-_KNOWN_KEYS = ("ooo_backprop", "ooo_streams", "ooo_planner")
+_KNOWN_KEYS = ("ooo_backprop", "ooo_streams", "ooo_planner", "ooo_overlap_forward")
 
 logger = logging.getLogger("ooo_wrap")
 
@@ -26,7 +26,9 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
 
     Keys read: ``ooo_backprop`` (bool, default ``False``), ``ooo_streams`` (positive int,
     default 4), ``ooo_planner`` (``"dataflow"``, the default, or ``"static"``; see
-    :class:`OOOModule`) and ``compile`` (bool, default ``False``: when true the model is returned
+    :class:`OOOModule`), ``ooo_overlap_forward`` (bool, default ``False``: see
+    ``overlap_forward`` of :class:`OOOModule`) and ``compile`` (bool, default ``False``:
+    when true the model is returned
     untouched with a warning, since the compiled path wins). Other keys are ignored, but
     an unknown ``ooo_*`` key is an error, so a typo cannot silently turn the feature off.
 
@@ -54,6 +56,7 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
             )
     enabled = _flag(config, "ooo_backprop")
     compiled = _flag(config, "compile")
+    overlap_forward = _flag(config, "ooo_overlap_forward")
     streams = check_streams(config.get("ooo_streams", 4), "config['ooo_streams']")
     planner = check_planner(config.get("ooo_planner", "dataflow"), "config['ooo_planner']")
     if not enabled:
@@ -61,7 +64,7 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
         return model
     if compiled:
         return record_fallback(model, "compiled", warn=True)
-    wrapped: nn.Module = OOOModule(model, streams, planner=planner)
+    wrapped: nn.Module = OOOModule(model, streams, planner=planner, overlap_forward=overlap_forward)
     return wrapped
 
 

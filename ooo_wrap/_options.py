@@ -35,6 +35,8 @@ class WrapOptions:
         planner: ``"dataflow"`` learns the stages and streams from the first training
             forward; ``"static"`` takes the stage names (or automatic expansion) and
             assigns streams round-robin, without observing anything.
+        overlap_forward: leave each stage's join pending until its output is touched,
+            so independent stages overlap in forward too.
     """
 
     streams: int = 4
@@ -42,6 +44,7 @@ class WrapOptions:
     backend: Backend | None = None
     profile_ranges: bool = False
     planner: Planner = "dataflow"
+    overlap_forward: bool = False
 
     def __post_init__(self) -> None:
         check_streams(self.streams)
@@ -54,6 +57,11 @@ class WrapOptions:
             raise OOOConfigError(
                 f"profile_ranges must be True or False, got {self.profile_ranges!r}; "
                 "pass profile_ranges=True to see stage names in profiler traces"
+            )
+        if not isinstance(self.overlap_forward, bool):
+            raise OOOConfigError(
+                f"overlap_forward must be True or False, got {self.overlap_forward!r}; "
+                "pass overlap_forward=True to let independent stages overlap in forward"
             )
         check_planner(self.planner, "planner")
 

@@ -18,6 +18,11 @@ For one stage call, with ``ambient`` the caller's current stream and ``s`` the s
 5. Root post-hook: the current stream waits on every stage stream used in the call,
    before the output (and the loss) reaches the host.
 
+With ``overlap_forward`` the wait of step 4 is left pending until something touches the
+stage's results, and step 1 also waits on the pending joins of the stages whose outputs
+the call receives (``_deferred.py``); the hooks are then wrapped so that their own reads
+of the tensors do not count as touches.
+
 ``_profiling.ProfiledScheduler`` adds profiler ranges around steps 3-4 by overriding the
 two stage hooks, so a model wrapped without ``profile_ranges`` pays nothing for them.
 """
@@ -39,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import _deferred
 from ._backend import Backend, Stream
 from ._compat import is_checkpoint_early_stop
 from ._errors import OOOError
@@ -116,12 +122,15 @@ class _Frame:
     __slots__ = (
         "ambient",
         "events",
+        "inputs",
         "module",
         "outer_exception",
         "profile_range",
         "stage",
     )
     profile_range: torch.profiler.record_function
+    # Set only with overlap_forward: the inputs and their version counters at the call.
+    inputs: tuple[list[torch.Tensor], list[int]]
 
     def __init__(
         self,
@@ -142,20 +151,31 @@ class _Frame:
 class _Call:
     """One call of a wrapped model's root in flight on this thread."""
 
-    __slots__ = ("bypass", "called", "module", "owner", "ran_inline", "used")
+    __slots__ = (
+        "bypass",
+        "called",
+        "first_pending",
+        "module",
+        "owner",
+        "ran_inline",
+        "used",
+    )
 
     def __init__(self, owner: Scheduler, module: nn.Module) -> None:
         self.owner = owner
         self.module = module
+        # Joins already pending on the thread (overlap_forward): not this call's to end.
+        self.first_pending = _deferred.pending_count() if owner.overlap_forward else 0
         self.used: set[int] = set()  # stream indexes of the stages it ran
         self.called: set[_StageRuntime] = set()  # the stages it ran on their streams
         self.ran_inline = False  # some stage call was bypassed (ran on the caller's stream)
         # Decided once for the whole call, at the root (cheaper than per stage call):
         # disabled(), tracing, and no_grad / inference_mode, which leave no backward to
         # overlap. A stage's own no_grad inside a training forward (reentrant checkpoint
-        # runs its first forward so) still forks, as its recomputation will.
+        # runs its first forward so) still forks, as its recomputation will. With
+        # overlap_forward, a no_grad forward has stages to overlap, so it forks too.
         self.bypass = _eager_bypass_reason()
-        if self.bypass is None and not torch.is_grad_enabled():
+        if self.bypass is None and not torch.is_grad_enabled() and not owner.overlap_forward:
             self.bypass = "no_grad"
 
 
@@ -200,8 +220,12 @@ class Scheduler:
         backend: Backend,
         events: EventLog,
         counters: Counters,
+        overlap_forward: bool = False,
     ) -> None:
         self._backend = backend
+        # Joins deferred until first touch (_deferred.py); read on the hot path only where
+        # a plain join would happen, so a model without it pays one attribute test there.
+        self.overlap_forward = overlap_forward
         self._device = plan.stages[0].device
         self._streams = tuple(streams)
         self._stages = tuple(_StageRuntime(self, s, self._streams[s.stream]) for s in plan.stages)
@@ -226,11 +250,14 @@ class Scheduler:
             model.register_forward_hook(self._root_post_hook, with_kwargs=True, always_call=True)
         )
         self._tied_weights = _pair_tied_stages(model, self._stages)
+        deferring = self.overlap_forward
         for stage in self._stages:
             module = model.get_submodule(stage.name)
-            pre = functools.partial(self._stage_pre_hook, stage)
+            pre_hook = self._deferring_pre_hook if deferring else self._stage_pre_hook
+            pre = functools.partial(pre_hook, stage)
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            post = functools.partial(self._stage_post_hook, stage)
+            post_hook = self._deferring_post_hook if deferring else self._stage_post_hook
+            post = functools.partial(post_hook, stage)
             handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
@@ -270,6 +297,11 @@ class Scheduler:
         if not calls or calls[-1].module is not module:
             return  # our pre-hook did not run for this call (an earlier pre-hook raised)
         call = calls.pop()
+        if self.overlap_forward:
+            # 5. (deferred) The waits below cover every join this call left pending.
+            _deferred.suspend()
+            _deferred.finish(call.first_pending, self)
+            _deferred.resume(len(self._local.frames), _level)
         # Only after a forward that returned (and ran no stage inline) is a missing stage news.
         if (
             len(call.called) < len(self._stages)
@@ -334,6 +366,8 @@ class Scheduler:
             if backend.is_capturing(ambient):
                 reason, ambient = "graph_capture", None
         if reason is not None:
+            if self.overlap_forward:
+                _deferred.join_from(len(frames))  # it runs on the caller's stream
             self._counters.bypasses += 1
             self._bypass_event(reason)
             frames.append(_Frame(stage, module, None, _NO_EVENTS))
@@ -365,9 +399,15 @@ class Scheduler:
             events = local.events[stage] = [None, None]
         events[0] = fork = backend.record_event(ambient, events[0])
         backend.wait_event(stream, fork)
+        if self.overlap_forward:
+            # 1b. ...and on the pending join of each stage whose output it receives.
+            self._counters.waits += _deferred.wait_for_inputs(stream, backend, inputs)
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
-        frames.append(_Frame(stage, module, ambient, events))
+        frame = _Frame(stage, module, ambient, events)
+        if self.overlap_forward:
+            frame.inputs = (inputs, _deferred.versions(inputs))
+        frames.append(frame)
         if calls:
             call.used.add(stage.stream_index)
         counters = self._counters
@@ -403,8 +443,25 @@ class Scheduler:
                 events[1] = event = backend.record_event(stream, events[1])
             finally:
                 backend.set_stream(ambient)
-            backend.wait_event(ambient, event)
-            self._counters.joins += 1
+            # With overlap_forward the wait is left pending when nothing failed and a root
+            # call will join it (_deferred.py); the outputs' record_stream above holds.
+            if not (
+                self.overlap_forward
+                and local.calls
+                and sys.exc_info()[1] is frame.outer_exception
+                and _deferred.defer(
+                    len(frames),
+                    ambient,
+                    event,
+                    backend,
+                    self._counters,
+                    self,
+                    stage.device,
+                    outputs + _deferred.written(*frame.inputs),
+                )
+            ):
+                backend.wait_event(ambient, event)
+                self._counters.joins += 1
             self._counters.record_streams += recorded
         error = sys.exc_info()[1]
         # A checkpoint that stops recomputing early raises through the stage on purpose.
@@ -424,6 +481,28 @@ class Scheduler:
                 ),
                 level=logging.INFO,
             )
+
+    def _deferring_pre_hook(
+        self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
+    ) -> None:
+        if torch.compiler.is_compiling():
+            return  # inline in the compiled graph, nothing deferred
+        _deferred.suspend()  # the hook's own reads of the inputs must not join
+        try:
+            self._stage_pre_hook(stage, module, args, kwargs)
+        finally:
+            _deferred.resume(len(self._local.frames), _level)
+
+    def _deferring_post_hook(
+        self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
+        if torch.compiler.is_compiling():
+            return  # inline in the compiled graph, nothing deferred
+        _deferred.suspend()
+        try:
+            self._stage_post_hook(stage, module, args, kwargs, output)
+        finally:
+            _deferred.resume(len(self._local.frames), _level)
 
     def _report_unseen(self, stage: _StageRuntime, unseen: list[str]) -> None:
         """Record once per (stage, type) an input or output the hooks could not search."""
@@ -450,6 +529,11 @@ class Scheduler:
             OOOEvent(EventKind.BYPASSED, reason, _BYPASS_MESSAGES[reason], count=count),
             level=logging.INFO,
         )
+
+
+def _level() -> int:
+    """Stage calls in flight on this thread: the level of code running now."""
+    return len(_thread_state.frames)
 
 
 def _drop_stale_calls(root: nn.Module) -> None:
@@ -482,6 +566,9 @@ def _drop_stale_calls(root: nn.Module) -> None:
     del local.frames[len(local.frames) - len(stale_frames) :]
     if outermost is not None:
         outermost.stage.owner._backend.set_stream(outermost.ambient)
+    _deferred.suspend()
+    _deferred.join_from(len(local.frames))  # what the interrupted calls left pending
+    _deferred.resume(len(local.frames), _level)
     for owner in owners.values():
         owner._events.add(
             OOOEvent(

@@ -102,6 +102,11 @@ class OOOModule(nn.Module):
             streams (or, finding none, removes every hook: a ``DISABLED`` event with
             reason ``no_parallelism``); ``"static"`` uses the stage names or automatic
             expansion with round-robin streams from the start.
+        overlap_forward: leave each stage's join with the caller's stream pending until
+            something touches its outputs (the next stage that receives them, any torch
+            operation or host read in the caller's code, the end of the forward), so
+            independent stages overlap in forward, and under ``torch.no_grad`` too;
+            off by default.
 
     Returns:
         ``model`` itself, wrapped or untouched.
@@ -109,9 +114,9 @@ class OOOModule(nn.Module):
     Raises:
         OOOConfigError: ``model`` is not a module, is already wrapped or is a
             ``DistributedDataParallel`` (wrap first, then DDP), ``streams`` is not a
-            positive int, ``profile_ranges`` is not a bool, ``backend`` is not a
-            backend, or the stage names are empty, unknown, repeated, the root, a
-            container or nested (see :func:`ooo_wrap.plan`).
+            positive int, ``profile_ranges`` or ``overlap_forward`` is not a bool,
+            ``backend`` is not a backend, or the stage names are empty, unknown,
+            repeated, the root, a container or nested (see :func:`ooo_wrap.plan`).
 
     Example::
 
@@ -129,10 +134,12 @@ class OOOModule(nn.Module):
         backend: Backend | None = None,
         profile_ranges: bool = False,
         planner: Planner = "dataflow",
+        overlap_forward: bool = False,
     ) -> Any:
         if cls is not OOOModule:  # OOO<Cls> has its own __new__ (_classswap.py)
             return super().__new__(cls)
-        return _wrap(model, WrapOptions(streams, stages, backend, profile_ranges, planner))
+        options = WrapOptions(streams, stages, backend, profile_ranges, planner, overlap_forward)
+        return _wrap(model, options)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # type.__call__ calls __init__ on what __new__ returned: the wrapped model, left
@@ -417,7 +424,9 @@ def start_scheduler(model: nn.Module, state: _WrapState, the_plan: Plan) -> None
     streams = [backend.new_stream(the_plan.devices[0]) for _ in range(the_plan.num_streams)]
     # Picked here, once: without profile_ranges the hooks carry no profiling code.
     scheduler_class = ProfiledScheduler if state.options.profile_ranges else Scheduler
-    scheduler = scheduler_class(the_plan, streams, backend, state.log, state.counters)
+    scheduler = scheduler_class(
+        the_plan, streams, backend, state.log, state.counters, state.options.overlap_forward
+    )
     added: list[RemovableHandle] = []
     try:
         scheduler.install(model, added)

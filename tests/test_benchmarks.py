@@ -588,3 +588,23 @@ def test_a_learned_no_parallelism_chain_makes_no_backend_call() -> None:
     assert result["backend_calls_per_forward"] == 0
     assert result["plain_us_per_forward"] > 0 and result["wrapped_us_per_forward"] > 0
     assert result["plain_iqr_us"] >= 0
+
+
+def test_measure_point_with_overlap_forward_defers_the_joins() -> None:
+    """The suite's --overlap-forward switch is recorded and reaches the wrapper."""
+    args = suite.parse_args(["--overlap-forward"])
+    assert args.overlap_forward and suite._settings(args)["overlap_forward"]
+    spec = SMALL["towers"]
+    record = measure_point(
+        Point(spec, 2, "float32"),
+        CPU,
+        warmup=1,
+        steps=2,
+        mem_steps=1,
+        backend=SimulatedBackend(),
+        planner="static",
+        overlap_forward=True,
+    )
+    wrapped = record["wrapped"]
+    assert wrapped["active"] and wrapped["stats_per_step"]["stage_calls"] == 3
+    assert wrapped["final_loss"] == record["plain"]["final_loss"]

@@ -36,6 +36,7 @@ def check(
     stages: Sequence[str] | None = None,
     steps: int = 2,
     planner: Planner = "dataflow",
+    overlap_forward: bool = False,
 ) -> CheckReport:
     """Train a copy of ``model`` on virtual streams and report every stream race.
 
@@ -57,6 +58,8 @@ def check(
             inline while the plan is learned, and the later steps check the learned plan
             (so at least 2 are needed to check anything).
         planner: as for :class:`~ooo_wrap.OOOModule`.
+        overlap_forward: check the wrapper with deferred joins, as
+            ``OOOModule(..., overlap_forward=True)`` runs it.
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
@@ -83,7 +86,12 @@ def check(
     backend = DetectingBackend()
     model = _materialized(model, inputs)
     wrapped = OOOModule(
-        copy.deepcopy(model), streams, stages=stages, backend=backend, planner=planner
+        copy.deepcopy(model),
+        streams,
+        stages=stages,
+        backend=backend,
+        planner=planner,
+        overlap_forward=overlap_forward,
     )
     plain = copy.deepcopy(model)
     wrapped_inputs, plain_inputs = _fresh(inputs), _fresh(inputs)

@@ -1,0 +1,283 @@
+"""Deferred joins for ``OOOModule(..., overlap_forward=True)``: join a stage on first touch.
+
+Without it, a stage's post-hook makes the caller's stream wait on the stage's join event
+at once, so stages run one after another in forward. With it, the wait is *pending* and
+is queued only when something could read the stage's results on the caller's stream:
+
+1. The next stage call that receives a pending output (directly, through a container, or
+   as a view: pending outputs are tracked by storage), or an input a pending stage wrote
+   in place (its version counter moved), makes *its* stream wait on the pending event.
+   The caller's stream stays unjoined, so independent siblings overlap.
+2. Any torch operation at the caller's level while a join is pending, host reads
+   (``.item()``, ``.cpu()``, ``print``) and ``.data_ptr()`` included: ``JoinOnTouch``, a
+   ``TorchFunctionMode``, joins everything pending at that level first. It is on the mode
+   stack only while a join is pending at the current level; a stage's pre-hook takes it
+   off, so a stage's own ops never pass through it.
+3. The root's post-hook joins everything (its per-stream waits cover the pending
+   events: each was recorded earlier on one of those streams). A stage called inside
+   another stage's forward leaves its join pending at that inner level; it is completed
+   by whatever touches its output later, at any level (2. makes the stream the touching
+   operation runs on wait too), so the outer stage's end needs no join of its own.
+4. A stage that raises is joined at once; an exception elsewhere reaches the root's
+   post-hook, which joins everything.
+
+Memory: each stage output is still ``record_stream``\\ ed to the caller's stream at the
+stage's return, and each input to the stage's stream at its call, so the allocator keeps
+a block until every stream that may use it is done, pending or not.
+
+What cannot be seen: work that never enters PyTorch's Python layer, such as a C++
+extension given a tensor at the caller's level; a stage reading another stage's pending
+output through an attribute rather than an argument; a stage writing in place into a
+tensor that a pending sibling reads. ``ooo_wrap.testing.check(..., overlap_forward=True)``
+reports the last two as races when the model does them, and parent code that orders a
+stream of its own after the caller's (``wait_stream``, an event) before its first touch:
+stream and event calls are no torch operations, so that order misses the pending join
+unless the touch runs on that stream (see ``join_from``).
+
+Levels: ``level`` is the number of stage calls in flight on the thread (the scheduler's
+frame stack), so the caller's level of a stage is the level its post-hook sees after
+popping its frame. A touch at one level joins what is pending at that level and
+deeper, which includes every inner stage whose output it can reach.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+# TorchFunctionMode is public (torch.overrides); which mode is on top of the stack has no
+# public query, and popping a mode that is not on top would remove someone else's. These
+# private functions are used only here: to pop ours only when it is on top, and to push
+# and pop it directly (what the mode's __enter__/__exit__ do, one Python call less, twice
+# per stage call).
+from torch._C import (
+    _get_function_stack_at,
+    _len_torch_function_stack,
+    _pop_torch_function_stack,
+    _push_on_torch_function_stack,
+)
+from torch.overrides import TorchFunctionMode
+
+from ._backend import Backend, Event, Stream
+from ._stats import Counters
+
+__all__ = [
+    "JoinOnTouch",
+    "Pending",
+    "defer",
+    "finish",
+    "join_from",
+    "pending_count",
+    "resume",
+    "suspend",
+    "versions",
+    "wait_for_inputs",
+    "written",
+]
+
+
+class Pending:
+    """One stage call whose caller's stream has not yet waited on its join event."""
+
+    __slots__ = ("ambient", "backend", "counters", "device", "done", "event", "level", "owner")
+
+    def __init__(
+        self,
+        level: int,
+        ambient: Stream,
+        event: Event,
+        backend: Backend,
+        counters: Counters,
+        owner: object,
+        device: torch.device,
+    ) -> None:
+        self.level = level
+        self.device = device
+        self.ambient = ambient
+        self.event = event
+        self.backend = backend
+        self.counters = counters
+        self.owner = owner
+        self.done = False
+
+
+class _State(threading.local):
+    """Per thread: the pending joins, their outputs' storages, and the mode if pushed."""
+
+    def __init__(self) -> None:
+        self.pending: list[Pending] = []
+        self.by_storage: dict[int, list[Pending]] = {}
+        self.mode: JoinOnTouch | None = None
+        self.pushed = False
+        self.quiet = 0  # >0 inside a scheduler hook whose own tensor reads must not join
+
+
+_state = _State()
+
+
+class JoinOnTouch(TorchFunctionMode):
+    """Joins every join pending at the current level before any torch operation there."""
+
+    def __init__(self, level: Callable[[], int]) -> None:
+        super().__init__()
+        self._level = level
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        state = _state
+        pending = state.pending
+        if pending and not state.quiet:
+            level = self._level()
+            if pending[-1].level >= level:
+                join_from(level, touched=True)
+        return func(*args, **(kwargs or {}))
+
+
+def _keys(tensors: list[torch.Tensor]) -> list[int] | None:
+    """Storage identities of ``tensors``; ``None`` if one has no plain storage (vmap)."""
+    try:
+        return [t.untyped_storage()._cdata for t in tensors]
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def versions(inputs: list[torch.Tensor]) -> list[int]:
+    """The inputs' version counters (-1 where there is none: an inference tensor)."""
+    try:
+        return [tensor._version for tensor in inputs]
+    except RuntimeError:
+        return [_version(tensor) for tensor in inputs]
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
+def written(inputs: list[torch.Tensor], before: list[int]) -> list[torch.Tensor]:
+    """The inputs a stage wrote in place (or may have: no version counter to tell)."""
+    return [
+        tensor
+        for tensor, version in zip(inputs, before, strict=True)
+        if version < 0 or tensor._version != version
+    ]
+
+
+def defer(
+    level: int,
+    ambient: Stream,
+    event: Event,
+    backend: Backend,
+    counters: Counters,
+    owner: object,
+    device: torch.device,
+    outputs: list[torch.Tensor],
+) -> bool:
+    """Leave the caller's wait on ``event`` pending; ``False`` if it must be joined now."""
+    keys = _keys(outputs)
+    if keys is None:
+        return False
+    entry = Pending(level, ambient, event, backend, counters, owner, device)
+    _state.pending.append(entry)
+    by_storage = _state.by_storage
+    for key in keys:
+        by_storage.setdefault(key, []).append(entry)
+    return True
+
+
+def wait_for_inputs(stream: Stream, backend: Backend, inputs: list[torch.Tensor]) -> int:
+    """Make ``stream`` wait on the pending join of every stage whose output (or a view of
+    it) is among ``inputs``; returns how many waits were queued."""
+    by_storage = _state.by_storage
+    if not by_storage:
+        return 0
+    keys = _keys(inputs)
+    if keys is None:  # cannot tell which: wait on them all
+        found = [p for p in _state.pending if not p.done]
+    else:
+        found = []
+        for key in keys:
+            for entry in by_storage.get(key, ()):
+                if not entry.done and entry not in found:
+                    found.append(entry)
+    for entry in found:
+        backend.wait_event(stream, entry.event)
+    return len(found)
+
+
+def join_from(level: int, *, touched: bool = False) -> None:
+    """Queue the caller's wait for every join pending at ``level`` or deeper.
+
+    ``touched``: an operation is about to run at the caller's level. The parent may have
+    switched streams itself since the stage returned (``with torch.cuda.stream(own)``,
+    after ``own.wait_stream(caller)``, which ordered nothing pending), so the stream the
+    operation runs on waits too when it is not the caller's.
+    """
+    pending = _state.pending
+    while pending and pending[-1].level >= level:
+        entry = pending.pop()
+        entry.done = True
+        backend = entry.backend
+        backend.wait_event(entry.ambient, entry.event)
+        entry.counters.joins += 1
+        if touched:
+            current = backend.current_stream(entry.device)
+            if current != entry.ambient:
+                backend.wait_event(current, entry.event)
+    if not pending:
+        _state.by_storage.clear()
+
+
+def finish(first: int, owner: object) -> None:
+    """At a root's end: forget ``owner``'s joins pending since the ``first`` (the root's
+    per-stream waits, queued next, cover them: each event was recorded earlier on one of
+    the call's streams) and join anyone else's."""
+    pending = _state.pending
+    while len(pending) > first:
+        entry = pending.pop()
+        entry.done = True
+        if entry.owner is not owner:
+            entry.backend.wait_event(entry.ambient, entry.event)
+            entry.counters.joins += 1
+    if not pending:
+        _state.by_storage.clear()
+
+
+def pending_count() -> int:
+    """Joins pending on this thread (for tests and diagnostics)."""
+    return len(_state.pending)
+
+
+def suspend() -> None:
+    """Start of a scheduler hook: its own tensor reads must not join. Takes the mode off
+    the stack when it is on top, else keeps it quiet until :func:`resume`."""
+    state = _state
+    state.quiet += 1
+    if state.pushed:
+        depth = _len_torch_function_stack()
+        if depth and _get_function_stack_at(depth - 1) is state.mode:
+            _pop_torch_function_stack()
+            state.pushed = False
+
+
+def resume(level: int, depth_of: Callable[[], int]) -> None:
+    """End of a scheduler hook: put the mode on the stack iff a join is pending at
+    ``level`` (the level the code after the hook runs at)."""
+    state = _state
+    state.quiet -= 1
+    if state.pushed or not state.pending or state.pending[-1].level < level:
+        return
+    if state.mode is None:
+        state.mode = JoinOnTouch(depth_of)
+    _push_on_torch_function_stack(state.mode)
+    state.pushed = True

@@ -1,0 +1,252 @@
+"""Models for ``overlap_forward``: each touches a stage's output in a different way."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+DIM = 8
+
+
+class TowersSum(nn.Module):
+    """Independent towers, all called before the parent sums their outputs."""
+
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.towers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [tower(x) for tower in self.towers]
+        return functools.reduce(torch.add, outs)
+
+
+class TowersCat(nn.Module):
+    """Independent towers concatenated."""
+
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.towers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tower(x) for tower in self.towers], dim=-1)
+
+
+class ParentOpBetween(nn.Module):
+    """A parent op reads one stage's output before the next stage is called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        out: torch.Tensor = self.b(h * 2)
+        return out
+
+
+class Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).mean()
+
+
+class HostRead(nn.Module):
+    """The host reads a stage's output (``.item()``, the first touch) between stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Scalar()
+        self.b = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.a(x)
+        scale = 2.0 if s.item() > 0 else 3.0
+        out: torch.Tensor = self.b(x) * scale + s
+        return out
+
+
+class Split(nn.Module):
+    """Returns its output and a view of it, made inside the stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, 2 * DIM)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.linear(x)
+        return h, h[:, DIM:]
+
+
+class DirectFeed(nn.Module):
+    """A stage's outputs feed the next stages directly: a tensor, and a view in a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+        self.split = Split()
+        self.c = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = self.b(self.a(x))
+        whole, half = self.split(x)
+        return y, self.c(half), whole
+
+
+class Raises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        if self.training:
+            raise ValueError("tower refuses in training")
+        return h
+
+
+class FailingSecondTower(nn.Module):
+    """The second of three towers raises; the parent catches it and carries on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(DIM, DIM)
+        self.second = Raises()
+        self.third = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.first(x)
+        try:
+            b = self.second(x)
+        except ValueError:
+            b = None
+        c = self.third(x)
+        return a + c if b is None else a + b + c
+
+
+class ResidualChain(nn.Module):
+    """Stages in a chain with a residual add between each pair."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for block in self.blocks:
+            h = h + block(h)
+        return h
+
+
+class AttributeEscape(nn.Module):
+    """Stage ``b`` reads stage ``a``'s output through an attribute, not an argument: the
+    hooks cannot see it, so with deferred joins ``b`` may read it unordered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = Reader(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stash = self.a(x)
+        out: torch.Tensor = self.b(x)
+        return out
+
+
+class Reader(nn.Module):
+    def __init__(self, parent: nn.Module) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        object.__setattr__(self, "parent", parent)  # not a sub-module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stash: torch.Tensor = self.parent.stash  # type: ignore[attr-defined]
+        return self.linear(x) + stash
+
+
+def inputs() -> torch.Tensor:
+    return torch.randn(4, DIM)
+
+
+ACCEPTANCE = {
+    "towers_sum": TowersSum,
+    "towers_cat": TowersCat,
+    "parent_op_between": ParentOpBetween,
+    "host_read": HostRead,
+    "direct_feed": DirectFeed,
+    "failing_second_tower": FailingSecondTower,
+    "residual_chain": ResidualChain,
+}
+
+
+class Outer(nn.Module):
+    """A stage whose forward calls another stage (held outside its sub-modules) and
+    returns that stage's output as its own."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.scale = nn.Linear(DIM, DIM)
+        object.__setattr__(self, "inner", inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(self.scale(x))  # type: ignore[operator]
+        return out
+
+
+class NestedCall(nn.Module):
+    """Stage ``outer`` calls stage ``inner`` inside its forward; the parent reads the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(DIM, DIM)
+        self.outer = Outer(self.inner)
+        self.other = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.outer(x)
+        return torch.tanh(h) + self.other(x)
+
+
+class TowersReturned(nn.Module):
+    """Towers whose outputs the model returns untouched: only the root's join orders them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(DIM, DIM)
+        self.right = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.left(x), self.right(x)
+
+
+class Fill(nn.Module):
+    """Writes its result into ``out`` in place and returns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(self.linear(x))
+
+
+class InPlaceFill(nn.Module):
+    """Stage ``fill`` writes into a view of a buffer; stage ``c`` then reads the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fill = Fill()
+        self.c = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buf = x.new_zeros(x.shape[0], 2 * DIM)
+        left = buf[:, :DIM]
+        self.fill(x, left)
+        out: torch.Tensor = self.c(buf)
+        return out

@@ -1,0 +1,211 @@
+"""check() guards each join point of ``overlap_forward``: remove one and it reports a race.
+
+Each join point is removed by monkeypatching the function or hook that queues it; the
+library itself has no switch for this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import overlap_models as om
+import pytest
+import torch
+from test_checker_guards import _remove
+from torch import nn
+
+from ooo_wrap import _deferred
+from ooo_wrap._scheduler import Scheduler
+from ooo_wrap.testing import CheckReport, DetectingBackend, RaceKind, check
+from ooo_wrap.testing import _check as check_module
+
+RAW = RaceKind.READ_AFTER_WRITE
+CPU = torch.device("cpu")
+
+
+def _check(factory: Callable[[], nn.Module]) -> CheckReport:
+    torch.manual_seed(0)
+    return check(factory(), om.inputs(), overlap_forward=True, planner="static")
+
+
+def _raw(report: CheckReport, earlier_stage: str, later_stream: str | None = None) -> bool:
+    return any(
+        r.kind is RAW
+        and r.earlier.stage == earlier_stage
+        and r.later.stream != r.earlier.stream
+        and (later_stream is None or r.later.stream == later_stream)
+        for r in report.races
+    )
+
+
+def test_without_the_wait_on_received_outputs_the_next_stage_reads_them_unordered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _check(om.DirectFeed).ok
+    monkeypatch.setattr(_deferred, "wait_for_inputs", lambda *args: 0)
+    report = _check(om.DirectFeed)
+    assert _raw(report, "a") and _raw(report, "split"), str(report)
+
+
+def test_an_input_written_in_place_is_tracked_by_storage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``fill`` writes into a view of ``buf``; ``c`` receives ``buf`` itself."""
+    assert _check(om.InPlaceFill).ok
+    with monkeypatch.context() as patched:
+        patched.setattr(_deferred, "_keys", lambda tensors: [id(t) for t in tensors])
+        assert _raw(_check(om.InPlaceFill), "fill", "side2")
+    monkeypatch.setattr(_deferred, "written", lambda inputs, before: [])
+    assert _raw(_check(om.InPlaceFill), "fill", "side2")
+
+
+def _no_join(
+    self: _deferred.JoinOnTouch,
+    func: Callable[..., Any],
+    types: Sequence[type],
+    args: Sequence[Any] = (),
+    kwargs: Any = None,
+) -> Any:
+    return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("name", "stage", "op"),
+    [
+        ("parent_op_between", "a", "aten.mul.Tensor"),
+        ("host_read", "a", "aten._local_scalar_dense.default"),
+        ("towers_sum", "towers.0", "aten.add.Tensor"),
+        ("towers_cat", "towers.0", "aten.cat.default"),
+        ("residual_chain", "blocks.0", "aten.add.Tensor"),
+    ],
+)
+def test_without_the_join_on_touch_a_parent_op_reads_an_unfinished_stage(
+    monkeypatch: pytest.MonkeyPatch, name: str, stage: str, op: str
+) -> None:
+    monkeypatch.setattr(_deferred.JoinOnTouch, "__torch_function__", _no_join)
+    report = _check(om.ACCEPTANCE[name])
+    assert any(
+        r.kind is RAW
+        and r.earlier.stage == stage
+        and (r.later.stream, r.later.op) == ("default", op)
+        for r in report.races
+    ), str(report)
+
+
+def test_without_the_root_join_the_loss_reads_unfinished_towers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _check(om.TowersReturned).ok
+    _remove(monkeypatch, "_root_post_hook", "wait_event")
+    report = _check(om.TowersReturned)
+    assert _raw(report, "left", "default") and _raw(report, "right", "default"), str(report)
+
+
+class CapturedSecond(nn.Module):
+    """Stage ``b`` runs under a (simulated) graph capture, so inline on the caller's
+    stream, and reads stage ``a``'s pending output there."""
+
+    backends: ClassVar[list[DetectingBackend]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(om.DIM, om.DIM)
+        self.b = nn.Linear(om.DIM, om.DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with self.backends[-1].capturing():
+            out: torch.Tensor = self.b(h)
+        return out
+
+
+@pytest.fixture
+def captured_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let CapturedSecond reach the backend check() creates."""
+
+    class Recorded(DetectingBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            CapturedSecond.backends.append(self)
+
+    monkeypatch.setattr(check_module, "DetectingBackend", Recorded)
+    monkeypatch.setattr(CapturedSecond, "backends", [])
+
+
+@pytest.mark.usefixtures("captured_backends")
+def test_without_the_join_before_an_inline_stage_it_reads_an_unfinished_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _check(CapturedSecond).ok
+    original = Scheduler._stage_pre_hook
+
+    def pre_hook(self: Scheduler, *args: Any) -> None:
+        join_from = _deferred.join_from
+        _deferred.join_from = lambda level, **kwargs: None  # type: ignore[assignment]
+        try:
+            original(self, *args)
+        finally:
+            _deferred.join_from = join_from  # type: ignore[assignment]
+
+    monkeypatch.setattr(Scheduler, "_stage_pre_hook", pre_hook)
+    report = _check(CapturedSecond)
+    assert _raw(report, "a", "default"), str(report)
+
+
+class SwitchAfter(nn.Module):
+    """After stage ``a`` returns, the parent reads its output on a stream of its own,
+    which it orders after its caller's stream the usual way (an event and a wait): that
+    wait comes before the deferred join, so the join must reach that stream too."""
+
+    backends: ClassVar[list[DetectingBackend]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(om.DIM, om.DIM)
+        self.b = nn.Linear(om.DIM, om.DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        other = self.b(x)
+        backend = self.backends[-1]
+        caller = backend.current_stream(CPU)  # CPU made outside: torch.device() joins too
+        own = backend.new_stream(CPU)
+        backend.wait_event(own, backend.record_event(caller))
+        backend.set_stream(own)
+        try:
+            backend.record_stream(h, own)  # the first touch of h, on the parent's stream
+            y = h * 2
+        finally:
+            backend.set_stream(caller)
+        backend.record_stream(y, caller)
+        backend.wait_event(caller, backend.record_event(own))
+        return y + other
+
+
+@pytest.fixture
+def switch_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Recorded(DetectingBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            SwitchAfter.backends.append(self)
+
+    monkeypatch.setattr(check_module, "DetectingBackend", Recorded)
+    monkeypatch.setattr(SwitchAfter, "backends", [])
+
+
+@pytest.mark.usefixtures("switch_backends")
+def test_a_touch_on_a_stream_the_parent_switched_to_waits_there_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _check(SwitchAfter).ok
+    original = _deferred.join_from
+    monkeypatch.setattr(_deferred, "join_from", lambda level, touched=False: original(level))
+    report = _check(SwitchAfter)
+    assert any(
+        r.kind is RAW
+        and r.earlier.stage == "a"
+        and r.later.op == "aten.mul.Tensor"
+        and r.later.stream == "side3"
+        for r in report.races
+    ), str(report)
