@@ -2,7 +2,7 @@
 
 For one :class:`Point` (model spec, batch size, precision) on one device:
 
-1. One reference model is built from the seed; each side is a deep copy of it, so plain
+1. One reference model is built from a fixed random seed; each side is a deep copy of it, so plain
    and wrapped start from identical parameters. Inputs and targets are made once and
    shared by both sides.
 2. Memory phase, each side alone: the peak device memory (allocated, and reserved by the
