@@ -1,9 +1,7 @@
 """Watch one forward: the call tree of a model's modules, and what each op reads and writes.
 
-This is the only file in the core package that imports ``TorchDispatchMode`` (the race
-checker has its own, in ``ooo_wrap.testing``). PyTorch has no public API that shows each
-aten op with its schema and the tensors it touches; ``torch.cuda._sanitizer`` uses the same
-private class for the same reason. Module calls are seen through ordinary forward hooks.
+Ops are seen through ``_intercept.OpInterceptor``, the dispatch mode the race checker uses
+too; module calls through ordinary forward hooks.
 
 The record is a call tree, not a module tree: a module called twice appears twice. Each call
 holds, in program order, its own ops and its child calls. Each op names the storages it
@@ -21,10 +19,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from ._cost import H200, ReferenceGPU, estimate_op
+from ._intercept import OpInterceptor
 
 __all__ = ["CallRecord", "Observer", "OpRecord", "observe"]
 
@@ -143,27 +141,6 @@ class _OpenCall:
     device_us: float = 0.0
 
 
-# The base class is untyped in torch: its constructor hooks are the untyped calls.
-class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Runs every op unchanged, then files it under the innermost open module call."""
-
-    def __init__(self, observer: Observer) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._observer = observer
-
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self._observer._record(func, args, kwargs, out)
-        return out
-
-
 class Observer:
     """Context manager that records one forward of ``model`` as a :class:`CallRecord`.
 
@@ -198,7 +175,7 @@ class Observer:
         self._top: list[CallRecord] = []
         self._next_id = 0
         self._handles: list[RemovableHandle] = []
-        self._mode: _Recorder | None = None
+        self._mode: OpInterceptor | None = None
 
     @property
     def record(self) -> CallRecord:
@@ -214,7 +191,7 @@ class Observer:
             pre = module.register_forward_pre_hook(self._pre_hook(name), prepend=True)
             post = module.register_forward_hook(self._post_hook, always_call=True)
             self._handles += [pre, post]
-        self._mode = _Recorder(self)
+        self._mode = OpInterceptor(self._record)
         try:
             self._mode.__enter__()  # type: ignore[no-untyped-call]
         except BaseException:
@@ -258,8 +235,14 @@ class Observer:
             self._top.append(record)
 
     def _record(
-        self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
+        self,
+        func: torch._ops.OpOverload,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        out: Any,
+        before: object = None,
     ) -> None:
+        """File one op, after it ran, under the innermost open module call."""
         if not self._stack:  # an op outside any module call (e.g. building inputs)
             return
         reads, writes, fresh = _uses(func, args, kwargs, out)

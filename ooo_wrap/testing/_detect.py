@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from .._cost import estimate_op
+from .._intercept import OpInterceptor, intercept_new_threads
 from .._tensors import tensors_in
 from ._engine import EngineModel
-from ._intercept import OpInterceptor, intercept_new_threads
 from ._ops import TensorUse, is_view_only, storage_key, tensor_uses, written_keys
 from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
 from ._tracker import Access, AllocatorHazard, Clock, OpRecord, Phase, Race, StreamTracker

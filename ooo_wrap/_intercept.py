@@ -1,9 +1,10 @@
-"""See every aten op with its arguments and results: the race detector's eyes.
+"""See every aten op with its arguments and results: the eyes of the dataflow planner's
+observer and of the race detector.
 
 This is the only file in ooo_wrap that imports ``TorchDispatchMode``. PyTorch has no public
 API that shows each aten op with its schema and the tensors it touches (forward and,
 inside the autograd engine, backward alike); ``torch.cuda._sanitizer`` uses the same
-private class for the same reason. Nothing outside ``ooo_wrap.testing`` imports this file.
+private class for the same reason.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class OpInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Runs every op unchanged, then reports it to ``handler`` (with what ``prepare``
     saw of its arguments before it ran)."""
 
-    def __init__(self, handler: OpHandler, prepare: OpPrepare) -> None:
+    def __init__(self, handler: OpHandler, prepare: OpPrepare | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._handler = handler
         self._prepare = prepare
@@ -44,7 +45,7 @@ class OpInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        before = self._prepare(func, args, kwargs)
+        before = None if self._prepare is None else self._prepare(func, args, kwargs)
         out = func(*args, **kwargs)
         self._handler(func, args, kwargs, out, before)
         return out
