@@ -124,18 +124,18 @@ class FanOut(nn.Module):
     With automatic stage expansion the stem, every branch and the head are stages; the
     branches are independent of each other, so their forward and backward can overlap.
 
-    Why the default sizes (32 branches, width 128, depth 2, batch 32 to 256) are
+    Why the default sizes (16 branches, width 128, depth 2, batch 32 to 256) are
     launch-bound, as estimates from public H200 figures, not measurements: one branch
     Linear at batch 256 is 2 x 256 x 128 x 128 = 8.4 MFLOP (about 0.13 us at 67 TFLOPS of
     float32) and moves about 0.3 MB (about 0.07 us at 4.8 TB/s), both far below a
     kernel's launch floor of a few us. The cost model (``ooo_wrap/_cost.py``: 5 us of
-    host time per eager op, 2 us least per kernel) puts a training step at about 430
-    launched ops, 2.2 ms, the same at batch 32 and 256: the host's launches set the step
+    host time per eager op, 2 us least per kernel) puts a training step at about 225
+    launched ops, 1.1 ms, the same at batch 32 and 256: the host's launches set the step
     time, and the GPU waits on them. A CUDA graph removes those launches; side streams
     inside it can then overlap the branches.
     """
 
-    def __init__(self, num_branches: int = 32, width: int = 128, depth: int = 2) -> None:
+    def __init__(self, num_branches: int = 16, width: int = 128, depth: int = 2) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Linear(width, width), nn.ReLU())
         self.branches = nn.ModuleList(_small_branch(width, depth) for _ in range(num_branches))
@@ -200,7 +200,7 @@ class ModelSpec:
         return cls("transformer", depth, dim, heads, seq)
 
     @classmethod
-    def fanout(cls, num_branches: int = 32, width: int = 128, depth: int = 2) -> ModelSpec:
+    def fanout(cls, num_branches: int = 16, width: int = 128, depth: int = 2) -> ModelSpec:
         """The launch-bound fan-out of :class:`FanOut` (its default sizes by default)."""
         return cls("fanout", num_branches, width, depth)
 

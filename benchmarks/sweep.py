@@ -103,7 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--transformer-seq", type=int, default=32, help="sequence length")
     g.add_argument("--transformer-batches", type=_ints, default=[8, 32, 128], help="batch sweep")
     g = p.add_argument_group("fanout (launch-bound: many small MLP branches, concatenated)")
-    g.add_argument("--fanout", type=int, default=32, help="number of branches")
+    g.add_argument("--fanout", type=int, default=16, help="number of branches")
     g.add_argument("--fanout-width", type=int, default=128, help="layer width")
     g.add_argument("--fanout-depth", type=int, default=2, help="linear layers per branch")
     g.add_argument("--fanout-batches", type=_ints, default=[32, 256], help="batch sweep")

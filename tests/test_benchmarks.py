@@ -850,7 +850,7 @@ def test_the_time_budget_leaves_the_last_family_listed_not_measured(
     args = suite.parse_args([*flags.split(), "--planner", "static", "--graphs", "--budget-s", "35"])
     data = suite.run_gpu(args, [], device=CPU)
     assert [r["batch"] for r in data["results"]] == [16, 128] and not data["errors"]
-    assert data["skipped"] == ["fanout N=32 W=128 D=2 batch=256 float32"]
+    assert data["skipped"] == ["fanout N=16 W=128 D=2 batch=256 float32"]
     assert data["complete"] and data["points_planned"] == 3
 
 
