@@ -262,6 +262,9 @@ def test_bench_verdict(tmp_path: Path) -> None:
 
     assert verdict()[0] == gpu_kit.PASS
     assert verdict(errors=["p: boom"])[0] == gpu_kit.FAIL
+    mode = verdict(errors=["p planner=static [plain_graphed]: GraphCaptureError: x", "q: boom"])
+    assert mode[0] == gpu_kit.FAIL  # a mode that could not be captured fails the step too
+    assert "1 failed, 1 modes of measured points failed" in mode[1]
     assert verdict(fallbacks=["p: DISABLED/cpu"])[0] == gpu_kit.FAIL  # a fallback is no pass
     oom = verdict(out_of_memory=["p"], results=[{}, {}])
     assert oom[0] == gpu_kit.PASS and "1 out of memory" in oom[1]
