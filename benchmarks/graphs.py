@@ -99,6 +99,7 @@ def capture_step(
     Raises:
         GraphCaptureError: without CUDA, or when warm-up or capture raised (the message
             keeps the original error).
+        torch.cuda.OutOfMemoryError: as it is, when warm-up or capture ran out of memory.
 
     Example::
 
@@ -127,6 +128,8 @@ def capture_step(
         with torch.cuda.graph(graph):
             output = step_fn(*static_args)
         torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError:
+        raise  # too big for this GPU: the suite reports it as such, not as a failure
     except Exception as error:
         raise GraphCaptureError(f"capture failed: {type(error).__name__}: {error}") from error
     return GraphedStep(graph, static_args, output)

@@ -901,3 +901,22 @@ def test_graph_capture_bypasses_counts_only_that_reason() -> None:
         model(x)  # bypassed too, for another reason: not counted
     assert graphs.graph_capture_bypasses(model) == 2 * 3
     assert graphs.graph_capture_bypasses(SMALL["towers"].build()) == 0  # never wrapped
+
+
+def test_a_mode_out_of_memory_is_listed_as_such_not_as_a_failure() -> None:
+    def too_big(*args: Any, **kwargs: Any) -> Any:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (graph pool)")
+
+    record = measure_point(
+        Point(SMALL["towers"], 2, "float32"),
+        CPU,
+        warmup=0,
+        steps=1,
+        mem_steps=1,
+        modes=["plain", "wrapped", "plain_graphed"],
+        capture=too_big,
+    )
+    assert record["out_of_memory_modes"] == ["plain_graphed"] and record["failed_modes"] == {}
+    assert "| plain_graphed | - | - | - | - | out of memory on this GPU |" in report.modes_table(
+        [record]
+    )
