@@ -135,7 +135,7 @@ class Progress:
 def new_report(args: argparse.Namespace, argv: Sequence[str], kind: str) -> dict[str, Any]:
     """An empty report: where and how, and a list for each way a point can end."""
     return {
-        "schema": 2,
+        "schema": 3,  # 3: modes per point (settings.overlap_forward: wrapped_overlap measured)
         "kind": kind,
         "complete": False,  # True once every point was tried and the overhead measured
         "environment": environment(argv),
