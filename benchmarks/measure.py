@@ -1,19 +1,29 @@
-"""Measure one benchmark point: plain vs wrapped, same model, shapes, precision and seed.
+"""Measure one benchmark point: plain vs wrapped (and other modes), same model, shapes, seed.
 
-For one :class:`Point` (model spec, batch size, precision) on one device:
+For one :class:`Point` (model spec, batch size, precision) on one device, every mode in
+``modes`` (see :data:`MODES`; plain and wrapped eager always) is one side:
 
-1. One reference model is built from a fixed random seed; each side is a deep copy of it, so plain
-   and wrapped start from identical parameters. Inputs and targets are made once and
-   shared by both sides.
+1. One reference model is built from a fixed random seed; each side is a deep copy of it, so
+   every side starts from identical parameters. Inputs and targets are made once and
+   shared by all sides.
 2. Memory phase, each side alone: the peak device memory (allocated, and reserved by the
    caching allocator) of a few steps of that side (``reset_peak_memory_stats`` first, the
    memory already held before the side was built subtracted). These are also each side's
-   first steps, reported as such.
-3. Timing phase, both sides resident: steps interleaved plain, wrapped, plain, wrapped...
-   so that clock and thermal drift hit both alike. Every step is synchronized before and
-   after, so a step's time is what the caller waits for: zero_grad, forward (under
-   autocast for bfloat16), loss, backward, optimizer step. The first ``warmup`` steps of
-   each side are reported apart from the ``steps`` steady-state ones.
+   first steps, reported as such. A graphed side is captured here (and its graph's pool
+   counted), then replayed.
+3. Timing phase, all sides resident: steps interleaved plain, wrapped, (the other modes),
+   plain, wrapped... so that clock and thermal drift hit all alike. Every step is
+   synchronized before and after, so a step's time is what the caller waits for: eager,
+   zero_grad, forward (under autocast for bfloat16), loss, backward, optimizer step;
+   graphed, the copy of the batch into the graph's static inputs and one replay of the
+   whole captured step. The first ``warmup`` steps of each side are reported apart from
+   the ``steps`` steady-state ones.
+
+A graphed side is captured after ``graph_warmup`` eager steps of its own (on a side
+stream, see ``benchmarks/graphs.py``), so its parameters are that many steps ahead of the
+eager sides' and its losses are not comparable with theirs. A mode other than plain and
+wrapped eager that fails (a step that cannot be captured, say) is recorded as failed with
+its error in ``failed_modes``; the other sides are still measured.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import copy
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -32,14 +42,49 @@ from torch import nn
 
 import ooo_wrap
 
+from .graphs import GraphCaptureError, capture_step, graph_capture_bypasses
 from .models import ModelSpec
 
-__all__ = ["DTYPES", "Dtype", "Point", "measure_point", "summarize_times"]
+__all__ = [
+    "DTYPES",
+    "GRAPHED_MODES",
+    "MODES",
+    "Dtype",
+    "Mode",
+    "Point",
+    "measure_point",
+    "summarize_times",
+]
 
 Dtype = Literal["float32", "bfloat16"]
 DTYPES: tuple[Dtype, ...] = ("float32", "bfloat16")
 _AUTOCAST: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
-SIDES = ("plain", "wrapped")
+
+Mode = Literal["plain", "wrapped", "wrapped_overlap", "plain_graphed", "wrapped_graphed"]
+# In this order each point measures them, and each timing round steps them.
+MODES: tuple[Mode, ...] = (
+    "plain",
+    "wrapped",
+    "wrapped_overlap",
+    "plain_graphed",
+    "wrapped_graphed",
+)
+REQUIRED_MODES: tuple[Mode, ...] = ("plain", "wrapped")  # every other mode is compared to them
+GRAPHED_MODES: tuple[Mode, ...] = ("plain_graphed", "wrapped_graphed")
+WRAPPED_MODES: tuple[Mode, ...] = ("wrapped", "wrapped_overlap", "wrapped_graphed")
+MODE_DESCRIPTIONS: dict[Mode, str] = {
+    "plain": "the model as it is, eager",
+    "wrapped": "OOOModule, eager",
+    "wrapped_overlap": "OOOModule(overlap_forward=True), eager",
+    "plain_graphed": "the model as it is, the whole step captured as one CUDA graph, replayed",
+    "wrapped_graphed": "OOOModule, the whole step captured as one CUDA graph, replayed; "
+    "each point records whether the wrapper ran its stages inline under capture (counted "
+    "BYPASSED/graph_capture events) or forked onto side streams inside it",
+}
+
+# capture(step_fn, *sample_args, zero_grad=..., warmup=...) -> a callable that copies its
+# arguments into static buffers and replays; ``benchmarks.graphs.capture_step`` by default.
+Capture = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -56,23 +101,43 @@ class Point:
         return f"{self.spec.label} batch={self.batch} {self.dtype}{planner}"
 
 
+def check_modes(modes: Sequence[str]) -> tuple[Mode, ...]:
+    """``modes`` in :data:`MODES` order, without repeats; plain and wrapped must be there."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    missing = [m for m in REQUIRED_MODES if m not in modes]
+    if missing:
+        raise ValueError(
+            f"modes must include {' and '.join(REQUIRED_MODES)} (every other mode is compared "
+            f"with them); add {', '.join(missing)}"
+        )
+    return tuple(m for m in MODES if m in modes)
+
+
 class _Side:
     """One side of the comparison: a model copy, its optimizer, and how to train one step."""
 
-    def __init__(self, name: str, model: nn.Module, lr: float) -> None:
-        self.name = name
+    def __init__(self, mode: Mode, model: nn.Module, lr: float) -> None:
+        self.name: Mode = mode
         self.model = model
         # Momentum gives the optimizer per-parameter state, as real training has.
         self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        self.capture_ms: float | None = None
 
-    def step(
-        self, spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor], dtype: Dtype
+    def body(
+        self,
+        spec: ModelSpec,
+        inputs: torch.Tensor,
+        target: torch.Tensor,
+        dtype: Dtype,
+        *,
+        autocast_cache: bool = True,
     ) -> torch.Tensor:
-        inputs, target = batch
-        self.optimizer.zero_grad(set_to_none=True)
+        """Forward (autocast for bfloat16), loss, backward, optimizer step; no zero_grad."""
         autocast_dtype = _AUTOCAST[dtype]
         precision = (
-            torch.autocast(inputs.device.type, dtype=autocast_dtype)
+            torch.autocast(inputs.device.type, dtype=autocast_dtype, cache_enabled=autocast_cache)
             if autocast_dtype is not None
             else contextlib.nullcontext()
         )
@@ -82,6 +147,53 @@ class _Side:
         loss.backward()
         self.optimizer.step()
         return loss.detach()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(
+        self, spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor], dtype: Dtype
+    ) -> torch.Tensor:
+        self.zero_grad()
+        return self.body(spec, *batch, dtype)
+
+
+class _GraphedSide(_Side):
+    """A side whose whole training step is captured once and replayed."""
+
+    def __init__(
+        self,
+        mode: Mode,
+        model: nn.Module,
+        lr: float,
+        *,
+        spec: ModelSpec,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        dtype: Dtype,
+        capture: Capture,
+        warmup: int,
+        sync: Callable[[], None],
+    ) -> None:
+        super().__init__(mode, model, lr)
+
+        def step_fn(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # Autocast's cast cache would keep tensors made during capture past it.
+            return self.body(spec, inputs, target, dtype, autocast_cache=False)
+
+        sync()
+        start = time.perf_counter()
+        self._replay = capture(step_fn, *batch, zero_grad=self.zero_grad, warmup=warmup)
+        sync()
+        self.capture_ms = (time.perf_counter() - start) * 1e3
+        if not getattr(self._replay, "captured", True):  # a helper that fell back to eager
+            reason = getattr(self._replay, "reason", None) or "no reason given"
+            raise GraphCaptureError(f"not captured: {reason}")
+
+    def step(
+        self, spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor], dtype: Dtype
+    ) -> torch.Tensor:
+        loss: torch.Tensor = self._replay(*batch)
+        return loss
 
 
 def summarize_times(seconds: list[float], batch: int) -> dict[str, float]:
@@ -114,6 +226,10 @@ def _stats(model: nn.Module) -> dict[str, int] | None:
     return {f.name: getattr(snapshot, f.name) for f in fields(snapshot)}
 
 
+def _failure(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 def measure_point(
     point: Point,
     device: torch.device,
@@ -126,9 +242,11 @@ def measure_point(
     lr: float = 1e-4,
     backend: Any = None,
     planner: str = "dataflow",
-    overlap_forward: bool = False,
+    modes: Sequence[str] = REQUIRED_MODES,
+    capture: Capture | None = None,
+    graph_warmup: int = 3,
 ) -> dict[str, Any]:
-    """Measure ``point`` on ``device``; returns the JSON-ready record of both sides.
+    """Measure ``point`` on ``device``; returns the JSON-ready record of every side.
 
     Args:
         point: the model, batch size and precision.
@@ -143,10 +261,23 @@ def measure_point(
             (the tests pass a ``SimulatedBackend`` to run this code on a CPU).
         planner: ``OOOModule(planner=...)``: ``"dataflow"`` learns the plan on the wrapped
             side's first step (a warm-up or memory step, inline), ``"static"`` does not.
-        overlap_forward: wrap with ``overlap_forward=True`` (deferred joins).
+        modes: the sides, from :data:`MODES`; plain and wrapped eager are required.
+            ``wrapped_overlap`` wraps with ``overlap_forward=True``; the graphed modes
+            capture the whole step with ``capture``.
+        capture: how a graphed side captures its step
+            (:func:`benchmarks.graphs.capture_step` by default, which needs CUDA).
+        graph_warmup: eager steps of a graphed side before its capture.
+
+    Returns:
+        One dict per measured mode under its name (``plain``, ``wrapped``, ...), and
+        ``modes`` (asked for), ``failed_modes`` (mode: error), ``out_of_memory_modes``,
+        ``speedup`` (plain / wrapped eager), ``speedups`` (plain eager / each mode),
+        ``graphed_speedup`` (plain graphed / wrapped graphed, or ``None``), memory ratios.
     """
     if steps < 1 or warmup < 0 or mem_steps < 1:
         raise ValueError("need steps >= 1, warmup >= 0 and mem_steps >= 1")
+    wanted = check_modes(modes)
+    capture_fn: Capture = capture if capture is not None else capture_step
     spec = point.spec
     sync = _synchronizer(device)
     on_cuda = device.type == "cuda"
@@ -154,17 +285,29 @@ def measure_point(
         reference = spec.build(seed)
     batch = spec.make_batch(point.batch, device, seed)
 
-    def make_side(name: str, reference: nn.Module) -> _Side:
+    def make_side(mode: Mode, reference: nn.Module) -> _Side:
         model = copy.deepcopy(reference)
-        if name == "wrapped":
+        if mode in WRAPPED_MODES:
             model = ooo_wrap.OOOModule(
                 model,
                 streams=streams,
                 backend=backend,
                 planner=planner,  # type: ignore[arg-type]
-                overlap_forward=overlap_forward,
+                overlap_forward=mode == "wrapped_overlap",
             )
-        return _Side(name, model, lr)
+        if mode in GRAPHED_MODES:
+            return _GraphedSide(
+                mode,
+                model,
+                lr,
+                spec=spec,
+                batch=batch,
+                dtype=point.dtype,
+                capture=capture_fn,
+                warmup=graph_warmup,
+                sync=sync,
+            )
+        return _Side(mode, model, lr)
 
     record: dict[str, Any] = {
         "model": spec.family,
@@ -173,10 +316,25 @@ def measure_point(
         "batch": point.batch,
         "dtype": point.dtype,
         "planner": planner,
+        "modes": list(wanted),
+        "failed_modes": {},
+        "out_of_memory_modes": [],
     }
 
+    def fail(mode: Mode, error: Exception) -> None:
+        """An optional mode's failure is recorded; plain or wrapped failing fails the point."""
+        if mode in REQUIRED_MODES:
+            raise error
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            record["out_of_memory_modes"].append(mode)
+        else:
+            record["failed_modes"][mode] = _failure(error)
+        record.pop(mode, None)
+        _release(on_cuda)
+
     # Memory phase: each side alone on the device (besides the reference and the batch).
-    for name in SIDES:
+    measured: list[Mode] = []
+    for mode in wanted:
         sync()
         base = base_reserved = 0
         if on_cuda:  # free what earlier points left, so that it is not counted (or held)
@@ -185,67 +343,118 @@ def measure_point(
             base = torch.cuda.memory_allocated(device)
             base_reserved = torch.cuda.memory_reserved(device)
             torch.cuda.reset_peak_memory_stats(device)
-        side = make_side(name, reference)
-        first: list[float] = []
-        for _ in range(mem_steps):
-            sync()
-            start = time.perf_counter()
-            side.step(spec, batch, point.dtype)
-            sync()
-            first.append(time.perf_counter() - start)
-        record[name] = {"first_steps_ms": [s * 1e3 for s in first]}
+        try:
+            side = make_side(mode, reference)
+            first: list[float] = []
+            for _ in range(mem_steps):
+                sync()
+                start = time.perf_counter()
+                side.step(spec, batch, point.dtype)
+                sync()
+                first.append(time.perf_counter() - start)
+        except Exception as error:
+            fail(mode, error)
+            continue
+        record[mode] = {"first_steps_ms": [s * 1e3 for s in first]}
+        if side.capture_ms is not None:
+            record[mode]["capture_ms"] = side.capture_ms
         # Allocated is what tensors use; reserved adds what the caching allocator holds,
         # which side streams can raise (a freed block is reused only on its own stream).
-        record[name]["peak_memory_bytes"] = (
+        record[mode]["peak_memory_bytes"] = (
             torch.cuda.max_memory_allocated(device) - base if on_cuda else None
         )
-        record[name]["peak_reserved_bytes"] = (
+        record[mode]["peak_reserved_bytes"] = (
             torch.cuda.max_memory_reserved(device) - base_reserved if on_cuda else None
         )
+        measured.append(mode)
         del side
 
-    # Timing phase: both sides resident, steps interleaved A/B/A/B.
-    sides = [make_side(name, reference) for name in SIDES]
-    del reference  # two copies on the device from here on, not three
-    wrapped_model = sides[1].model
-    times: dict[str, list[float]] = {name: [] for name in SIDES}
+    # Timing phase: all sides resident, steps interleaved A/B/C/A/B/C.
+    sides: list[_Side] = []
+    for mode in measured:
+        try:
+            sides.append(make_side(mode, reference))
+        except Exception as error:
+            fail(mode, error)
+    del reference  # the sides' copies on the device from here on, not one more
+    times: dict[str, list[float]] = {side.name: [] for side in sides}
     losses: dict[str, torch.Tensor] = {}
-    stats_before = _stats(wrapped_model)
+    stats_before = {side.name: _stats(side.model) for side in sides}
     for i in range(warmup + steps):
         if i == warmup:
-            stats_before = _stats(wrapped_model)
-        for side in sides:
+            stats_before = {side.name: _stats(side.model) for side in sides}
+        for side in list(sides):
             sync()
             start = time.perf_counter()
-            losses[side.name] = side.step(spec, batch, point.dtype)
-            sync()
+            try:
+                losses[side.name] = side.step(spec, batch, point.dtype)
+                sync()
+            except Exception as error:
+                fail(side.name, error)
+                sides.remove(side)
+                continue
             times[side.name].append(time.perf_counter() - start)
-    stats_after = _stats(wrapped_model)
 
-    for name in SIDES:
-        record[name].update(summarize_times(times[name][warmup:], point.batch))
-        record[name]["warmup_ms"] = [s * 1e3 for s in times[name][:warmup]]
-        record[name]["final_loss"] = float(losses[name])
+    for side in sides:
+        name = side.name
+        entry = record[name]
+        entry.update(summarize_times(times[name][warmup:], point.batch))
+        entry["warmup_ms"] = [s * 1e3 for s in times[name][:warmup]]
+        entry["final_loss"] = float(losses[name])
+        if name in GRAPHED_MODES:
+            entry["captured"] = True
+            entry["capture_ms"] = side.capture_ms  # the timing phase's capture
+        if name in WRAPPED_MODES:
+            _wrapper_fields(entry, side, stats_before[name], steps)
 
-    wrapped = record["wrapped"]
-    wrapped["active"] = stats_after is not None
-    wrapped["events"] = [str(event) for event in ooo_wrap.events_for(wrapped_model)]
-    if isinstance(wrapped_model, ooo_wrap.OOOModule) and stats_after is not None:
-        assert stats_before is not None
-        wrapped["stages"] = len(wrapped_model.plan.stages)
-        wrapped["streams"] = wrapped_model.plan.num_streams
-        wrapped["stats_per_step"] = {
-            key: (stats_after[key] - stats_before[key]) / steps for key in stats_after
-        }
-    record["speedup"] = record["plain"]["median_ms"] / wrapped["median_ms"]
+    plain_ms = record["plain"]["median_ms"]
+    record["speedup"] = plain_ms / record["wrapped"]["median_ms"]
+    record["speedups"] = {
+        s.name: plain_ms / record[s.name]["median_ms"] for s in sides if s.name != "plain"
+    }
+    graphed = [record.get(mode, {}).get("median_ms") for mode in GRAPHED_MODES]
+    record["graphed_speedup"] = graphed[0] / graphed[1] if None not in graphed else None
     for key, ratio in (
         ("peak_memory_bytes", "memory_ratio"),
         ("peak_reserved_bytes", "reserved_ratio"),
     ):
-        plain_peak, wrapped_peak = record["plain"][key], wrapped[key]
+        plain_peak, wrapped_peak = record["plain"][key], record["wrapped"][key]
         record[ratio] = wrapped_peak / plain_peak if plain_peak and wrapped_peak else None
-    del sides, wrapped_model
-    if on_cuda:
+    del sides
+    _release(on_cuda)
+    return record
+
+
+def _wrapper_fields(
+    entry: dict[str, Any], side: _Side, before: dict[str, int] | None, steps: int
+) -> None:
+    """What the wrapper did on a wrapped side: active, events, plan, stats or capture."""
+    model = side.model
+    after = _stats(model)
+    entry["active"] = after is not None
+    entry["events"] = [str(event) for event in ooo_wrap.events_for(model)]
+    if not isinstance(model, ooo_wrap.OOOModule) or after is None:
+        return
+    entry["stages"] = len(model.plan.stages)
+    entry["streams"] = model.plan.num_streams
+    if side.name not in GRAPHED_MODES:
+        assert before is not None
+        entry["stats_per_step"] = {key: (after[key] - before[key]) / steps for key in after}
+        return
+    # A replay runs no Python: the hooks ran during warm-up and capture only. Under
+    # capture the wrapper either ran every stage inline (a BYPASSED/graph_capture event
+    # per stage call) or forked onto side streams inside the capture.
+    bypasses = graph_capture_bypasses(model)
+    entry["graph_capture_bypasses"] = bypasses
+    if bypasses:
+        entry["wrapper_in_capture"] = "inline"
+    elif entry["stages"]:
+        entry["wrapper_in_capture"] = "side streams"
+    else:
+        entry["wrapper_in_capture"] = "no stages"
+
+
+def _release(on_cuda: bool) -> None:
+    if on_cuda:  # give back what a side held before the next one is measured
         gc.collect()
         torch.cuda.empty_cache()
-    return record

@@ -1,4 +1,4 @@
-"""The three benchmark model families, sized by arguments: towers, branches, transformer.
+"""The benchmark model families, sized by arguments: towers, branches, transformer, fanout.
 
 Each family is described by a :class:`ModelSpec` (family name plus size), which builds the
 model, makes a batch of inputs and targets, and computes the loss. Building is seeded, so
@@ -23,10 +23,11 @@ if str(ROOT) not in sys.path:  # the transformer family is the reference model i
 
 from examples.transformer import SEQ, VOCAB, TinyTransformer  # noqa: E402
 
-__all__ = ["FAMILIES", "Branches", "Family", "ModelSpec", "Towers"]
+__all__ = ["FAMILIES", "Branches", "Family", "FanOut", "ModelSpec", "Towers"]
 
-Family = Literal["towers", "branches", "transformer"]
-FAMILIES: tuple[Family, ...] = ("towers", "branches", "transformer")
+Family = Literal["towers", "branches", "transformer", "fanout"]
+FAMILIES: tuple[Family, ...] = ("towers", "branches", "transformer", "fanout")
+_NO_EXTENT: tuple[Family, ...] = ("towers", "fanout")  # families sized without an extent
 
 BRANCH_CLASSES = 10
 # Inception's branch shapes, in turn: 1x1, 3x3 and 5x5 convolutions, and a pooling branch.
@@ -107,18 +108,59 @@ class Branches(nn.Module):
         return out
 
 
+def _small_branch(width: int, depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.LayerNorm(width)]
+    for i in range(depth):
+        if i:
+            layers.append(nn.GELU())
+        layers.append(nn.Linear(width, width))
+    return nn.Sequential(*layers)
+
+
+class FanOut(nn.Module):
+    """Launch-bound fan-out: a stem, ``num_branches`` small MLP branches concatenated, a head.
+
+    Each branch is a LayerNorm and ``depth`` ``width x width`` Linear layers (GELU between).
+    With automatic stage expansion the stem, every branch and the head are stages; the
+    branches are independent of each other, so their forward and backward can overlap.
+
+    Why the default sizes (16 branches, width 128, depth 2, batch 32 to 256) are
+    launch-bound, as estimates from public H200 figures, not measurements: one branch
+    Linear at batch 256 is 2 x 256 x 128 x 128 = 8.4 MFLOP (about 0.13 us at 67 TFLOPS of
+    float32) and moves about 0.3 MB (about 0.07 us at 4.8 TB/s), both far below a
+    kernel's launch floor of a few us. The cost model (``ooo_wrap/_cost.py``: 5 us of
+    host time per eager op, 2 us least per kernel) puts a training step at about 225
+    launched ops, 1.1 ms, the same at batch 32 and 256: the host's launches set the step
+    time, and the GPU waits on them. A CUDA graph removes those launches; side streams
+    inside it can then overlap the branches.
+    """
+
+    def __init__(self, num_branches: int = 16, width: int = 128, depth: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(width, width), nn.ReLU())
+        self.branches = nn.ModuleList(_small_branch(width, depth) for _ in range(num_branches))
+        self.head = nn.Linear(num_branches * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        out: torch.Tensor = self.head(torch.cat([branch(h) for branch in self.branches], dim=1))
+        return out
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family at one size.
 
     Attributes:
-        family: ``towers``, ``branches`` or ``transformer``.
-        count: towers: number of towers (K); branches: number of branches; transformer:
-            number of blocks.
-        width: towers: layer width; branches: channels per branch; transformer: model dim.
-        depth: towers: layers per tower; branches: convolutions per branch; transformer:
-            attention heads.
-        extent: branches: image side in pixels; transformer: sequence length; towers: unused.
+        family: ``towers``, ``branches``, ``transformer`` or ``fanout``.
+        count: towers: number of towers (K); branches and fanout: number of branches;
+            transformer: number of blocks.
+        width: towers and fanout: layer width; branches: channels per branch;
+            transformer: model dim.
+        depth: towers: layers per tower; branches: convolutions per branch; fanout: Linear
+            layers per branch; transformer: attention heads.
+        extent: branches: image side in pixels; transformer: sequence length; towers and
+            fanout: unused.
     """
 
     family: Family
@@ -135,7 +177,7 @@ class ModelSpec:
                 raise ValueError(
                     f"{name} must be >= 1 for {self.family}, got {getattr(self, name)}"
                 )
-        if self.family != "towers" and self.extent < 1:
+        if self.family not in _NO_EXTENT and self.extent < 1:
             raise ValueError(f"extent must be >= 1 for {self.family}, got {self.extent}")
 
     @classmethod
@@ -157,11 +199,18 @@ class ModelSpec:
         """The reference model of ``examples/transformer.py`` (its own size by default)."""
         return cls("transformer", depth, dim, heads, seq)
 
+    @classmethod
+    def fanout(cls, num_branches: int = 16, width: int = 128, depth: int = 2) -> ModelSpec:
+        """The launch-bound fan-out of :class:`FanOut` (its default sizes by default)."""
+        return cls("fanout", num_branches, width, depth)
+
     @property
     def size(self) -> dict[str, int]:
         """The size parameters under their family's names, for reports."""
         if self.family == "towers":
             return {"towers": self.count, "width": self.width, "depth": self.depth}
+        if self.family == "fanout":
+            return {"branches": self.count, "width": self.width, "depth": self.depth}
         if self.family == "branches":
             return {
                 "branches": self.count,
@@ -178,6 +227,8 @@ class ModelSpec:
             return f"towers K={self.count} W={self.width} D={self.depth}"
         if self.family == "branches":
             return f"branches N={self.count} C={self.width} D={self.depth} {self.extent}px"
+        if self.family == "fanout":
+            return f"fanout N={self.count} W={self.width} D={self.depth}"
         return f"transformer L={self.count} d={self.width} h={self.depth} T={self.extent}"
 
     def build(self, seed: int = 0) -> nn.Module:
@@ -187,6 +238,8 @@ class ModelSpec:
             return Towers(self.count, self.width, self.depth)
         if self.family == "branches":
             return Branches(self.count, self.width, self.depth)
+        if self.family == "fanout":
+            return FanOut(self.count, self.width, self.depth)
         return TinyTransformer(
             vocab=VOCAB,
             dim=self.width,
@@ -200,7 +253,7 @@ class ModelSpec:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)`` for one step, drawn from ``seed`` on the CPU, then moved."""
         gen = torch.Generator().manual_seed(seed)
-        if self.family == "towers":
+        if self.family in _NO_EXTENT:  # towers and fanout: regression on width features
             x = torch.randn(batch, self.width, generator=gen)
             y = torch.randn(batch, self.width, generator=gen)
         elif self.family == "branches":
@@ -213,7 +266,7 @@ class ModelSpec:
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The training loss, computed in float32 whatever precision the model ran in."""
-        if self.family == "towers":
+        if self.family in _NO_EXTENT:
             return F.mse_loss(output.float(), target)
         if self.family == "branches":
             return F.cross_entropy(output.float(), target)

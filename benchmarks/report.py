@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "CPU_ONLY_MESSAGE",
     "markdown_table",
+    "modes_table",
     "overhead_lines",
     "render_report",
     "targets_lines",
@@ -101,6 +102,83 @@ def markdown_table(records: Sequence[Record]) -> str:
             f"| {_first(plain)} / {_first(wrapped)} |"
         )
         rows.append(row + (f" {_estimate_cell(r)} |" if estimates else ""))
+    return "\n".join(rows)
+
+
+_EAGER_PAIR = ("plain", "wrapped")
+
+
+def _extra_modes(record: Record) -> list[str]:
+    """The modes of ``record`` beyond plain and wrapped eager (measured or not)."""
+    return [m for m in record.get("modes") or _EAGER_PAIR if m not in _EAGER_PAIR]
+
+
+def _capture_note(side: Record) -> str:
+    """How the wrapper ran under capture, from its counted graph_capture bypasses."""
+    where = side.get("wrapper_in_capture")
+    bypasses = side.get("graph_capture_bypasses")
+    if where == "inline":
+        return f"wrapper bypassed under capture: stages inline (BYPASSED/graph_capture x{bypasses})"
+    if where == "side streams":
+        return "no graph_capture bypass: stages on side streams inside the capture"
+    if where == "no stages":
+        return "no graph_capture bypass, and the plan has no stages to fork"
+    return "capture not recorded"
+
+
+def _mode_note(record: Record, mode: str) -> str:
+    side = record[mode]
+    notes = []
+    if mode.endswith("_graphed"):
+        capture = side.get("capture_ms")
+        notes.append("captured" + (f" in {capture:.0f} ms" if capture is not None else ""))
+    if mode != "plain" and "active" in side and not side["active"]:
+        reasons = ", ".join(side.get("events", [])) or "unknown reason"
+        notes.append(f"**not wrapped: {reasons}**")
+    elif mode == "wrapped_graphed":
+        notes.append(_capture_note(side))
+        if record.get("graphed_speedup") is not None:
+            notes.append(f"speedup vs plain_graphed {record['graphed_speedup']:.3f}x")
+    elif side.get("stats_per_step"):
+        stats = side["stats_per_step"]
+        notes.append(f"{stats['waits']:g} waits / {stats['record_streams']:g} record_streams")
+    return "; ".join(notes) or "-"
+
+
+def modes_table(records: Sequence[Record]) -> str:
+    """One row per point and mode, for runs with modes beyond plain and wrapped eager.
+
+    Every mode's step time against plain eager; a graphed wrapped side says whether the
+    wrapper ran its stages inline under capture or on side streams inside it; a mode that
+    failed or ran out of memory is a row saying so, with its error.
+    """
+    header = (
+        "| model | batch | dtype | mode | ms median (p10-p90) | speedup vs plain eager "
+        "| samples/s | peak MiB | note |"
+    )
+    rows = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in records:
+        first = f"| {r['label']}" + (f" [{r['planner']}]" if r.get("planner") else "")
+        where = f"{first} | {r['batch']} | {r['dtype']}"
+        failed = r.get("failed_modes") or {}
+        for mode in r.get("modes") or _EAGER_PAIR:
+            if mode in failed:
+                rows.append(f"{where} | {mode} | - | - | - | - | **FAILED: {failed[mode]}** |")
+                continue
+            if mode in (r.get("out_of_memory_modes") or []):
+                rows.append(f"{where} | {mode} | - | - | - | - | out of memory on this GPU |")
+                continue
+            side = r.get(mode)
+            if side is None:
+                rows.append(f"{where} | {mode} | - | - | - | - | not measured |")
+                continue
+            ratio = 1.0 if mode == "plain" else (r.get("speedups") or {}).get(mode)
+            rows.append(
+                f"{where} | {mode} | {_ms(side)} "
+                f"| {'n/a' if ratio is None else f'{ratio:.3f}x'} "
+                f"| {side['samples_per_s']:,.0f} | {_mib(side.get('peak_memory_bytes'))} "
+                f"| {_mode_note(r, mode)} |"
+            )
     return "\n".join(rows)
 
 
@@ -214,6 +292,17 @@ def render_report(report: Mapping[str, Any]) -> str:
         lines.append("")
         lines.append(markdown_table(report["results"]))
         lines.append("")
+        modes = settings.get("modes") or list(_EAGER_PAIR)
+        if any(_extra_modes(r) for r in report["results"]) or len(modes) > 2:
+            lines.append(
+                f"Modes measured at every point: {', '.join(modes)} (interleaved with plain "
+                "and wrapped; graphed: the batch copied in and one replay of the captured "
+                f"step, after {settings.get('graph_warmup', 3)} eager warm-up steps and the "
+                "capture, which are reported apart):"
+            )
+            lines.append("")
+            lines.append(modes_table(report["results"]))
+            lines.append("")
         sources = {(r.get("estimate") or {}).get("source") for r in report["results"]} - {None}
         lines += [f"Estimated columns: {source}." for source in sorted(sources)]
         lines += [""] if sources else []

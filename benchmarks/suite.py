@@ -1,13 +1,19 @@
 """A/B benchmark of ooo_wrap on one CUDA GPU: plain vs wrapped, interleaved in one process.
 
-Run: ``python benchmarks/suite.py [flags]`` (``--help`` lists them). Three model families
-(towers, branches, the reference transformer), each swept over batch size (towers over
-width too), in float32 and bfloat16 autocast. For every point: warm-up apart from steady
-state; median, p10 and p90 of the synchronized step time (forward + backward + optimizer
-step); samples/s; peak memory of each side alone; the wrapper's stats per step (see
-``benchmarks/measure.py`` for the method). Output: a markdown report on stdout, a JSON
-file and a PNG plot of speedup (matplotlib, from the optional ``bench`` extra), named with
-the date and the GPU; a progress line on stderr while it runs. The JSON is rewritten after
+Run: ``python benchmarks/suite.py [flags]`` (``--help`` lists them). Four model families
+(towers, branches, the reference transformer, the launch-bound fanout), each swept over
+batch size (towers over width too), in float32 and bfloat16 autocast. Every point
+measures plain and wrapped eager, and the other modes asked for (``--modes``,
+``--overlap-forward``, ``--graphs``: wrapped with ``overlap_forward=True``, and the whole
+step captured as a CUDA graph, plain and wrapped), all interleaved. For every point and
+mode: warm-up apart from steady state; median, p10 and p90 of the synchronized step time
+(forward + backward + optimizer step, or one replay); samples/s; peak memory of each side
+alone; the wrapper's stats per step, or for a graphed side whether the wrapper ran its
+stages inline under capture (see ``benchmarks/measure.py`` for the method). A mode that
+fails at a point (a step that cannot be captured) is listed as failed with its error.
+Output: a markdown report on stdout, a JSON file and a PNG plot of speedup (matplotlib,
+from the optional ``bench`` extra), named with the date and the GPU; a progress line on
+stderr while it runs. The JSON is rewritten after
 every point, so a run stopped from outside keeps what it measured; each point also records
 a cost model's estimate when one is wired in (``benchmarks/estimate.py``). The command line
 and the sweep are in ``benchmarks/sweep.py``.
@@ -43,7 +49,7 @@ import torch  # noqa: E402
 import ooo_wrap  # noqa: E402
 from benchmarks import estimate, overhead  # noqa: E402
 from benchmarks.estimate import Estimator, estimate_times  # noqa: E402
-from benchmarks.measure import Point, measure_point  # noqa: E402
+from benchmarks.measure import WRAPPED_MODES, Point, measure_point  # noqa: E402
 from benchmarks.report import (  # noqa: E402
     CPU_ONLY_MESSAGE,
     render_report,
@@ -129,7 +135,7 @@ class Progress:
 def new_report(args: argparse.Namespace, argv: Sequence[str], kind: str) -> dict[str, Any]:
     """An empty report: where and how, and a list for each way a point can end."""
     return {
-        "schema": 2,
+        "schema": 3,  # 3: modes per point (settings.overlap_forward: wrapped_overlap measured)
         "kind": kind,
         "complete": False,  # True once every point was tried and the overhead measured
         "environment": environment(argv),
@@ -210,10 +216,11 @@ def _measure_points(
                 steps=args.steps,
                 mem_steps=args.mem_steps,
                 streams=args.streams,
-                overlap_forward=args.overlap_forward,
                 seed=args.seed,
                 lr=args.lr,
                 planner=point.planner or args.planner,
+                modes=args.modes,
+                graph_warmup=args.graph_warmup,
             )
         except torch.cuda.OutOfMemoryError:
             # A size too big for this GPU is a fact about the GPU, not a failed run.
@@ -230,16 +237,39 @@ def _measure_points(
             continue
         record["estimate"] = estimate_times(point, estimator)
         report["results"].append(record)
-        if not record["wrapped"].get("active", False):
-            events = ", ".join(record["wrapped"].get("events", [])) or "no event recorded"
-            report["fallbacks"].append(f"{point}: {events}")
+        _file_outcomes(point, record, report)
         save()
         progress.show(
-            f"[{i}/{len(points)} {time.monotonic() - start:5.0f}s] {point}: "
-            f"plain {record['plain']['median_ms']:.3f} ms, "
-            f"wrapped {record['wrapped']['median_ms']:.3f} ms ({record['speedup']:.3f}x)"
+            f"[{i}/{len(points)} {time.monotonic() - start:5.0f}s] {point}: " + _line(record)
         )
     progress.close()
+
+
+def _file_outcomes(point: Point, record: dict[str, Any], report: dict[str, Any]) -> None:
+    """A measured point's failed modes, modes out of memory, and wrapped modes that fell back."""
+    for mode, error in (record.get("failed_modes") or {}).items():
+        report["errors"].append(f"{point} [{mode}]: {error}")
+    for mode in record.get("out_of_memory_modes") or []:
+        report["out_of_memory"].append(f"{point} [{mode}]")
+    for mode in WRAPPED_MODES:
+        side = record.get(mode)
+        if side is None or side.get("active", False):
+            continue
+        events = ", ".join(side.get("events", [])) or "no event recorded"
+        where = "" if mode == "wrapped" else f" [{mode}]"
+        report["fallbacks"].append(f"{point}{where}: {events}")
+
+
+def _line(record: dict[str, Any]) -> str:
+    """The progress line of a measured point: each mode's median, and its speedup."""
+    parts = [f"plain {record['plain']['median_ms']:.3f} ms"]
+    speedups = record.get("speedups") or {"wrapped": record["speedup"]}
+    for mode, ratio in speedups.items():
+        parts.append(f"{mode} {record[mode]['median_ms']:.3f} ms ({ratio:.3f}x)")
+    failed = list(record.get("failed_modes") or {}) + list(record.get("out_of_memory_modes") or [])
+    if failed:
+        parts.append(f"FAILED: {', '.join(failed)}")
+    return ", ".join(parts)
 
 
 def _release_memory() -> None:
@@ -264,11 +294,15 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "mem_steps": args.mem_steps,
         "streams": args.streams,
         "planner": args.planner,
-        "overlap_forward": args.overlap_forward,
+        "modes": list(args.modes),
+        "overlap_forward": "wrapped_overlap" in args.modes,  # measured beside wrapped
+        "graph_warmup": args.graph_warmup,
         "seed": args.seed,
         "optimizer": OPTIMIZER.format(lr=args.lr),
         "timing": "per step: synchronize, perf_counter, zero_grad + forward (autocast for "
-        "bfloat16) + loss + backward + optimizer.step, synchronize, perf_counter",
+        "bfloat16) + loss + backward + optimizer.step, synchronize, perf_counter; graphed "
+        "modes: the batch copied into the graph's static inputs + one replay of the whole "
+        "captured step (autocast without its cast cache), between the same synchronizes",
         "budget_s": args.budget_s,
         "overhead_repeats": args.overhead_repeats,
         "overhead_calls": args.overhead_calls,

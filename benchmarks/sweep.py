@@ -7,19 +7,37 @@ run cut short by ``--budget-s`` still has it.
 from __future__ import annotations
 
 import argparse
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .measure import DTYPES, Dtype, Point
+from .measure import DTYPES, GRAPHED_MODES, MODE_DESCRIPTIONS, MODES, Dtype, Point, check_modes
 from .models import FAMILIES, ModelSpec
 
 __all__ = ["build_points", "parse_args"]
 
 ROOT = Path(__file__).resolve().parents[1]
 DESCRIPTION = (
-    "A/B benchmark of ooo_wrap on one CUDA GPU: plain vs wrapped, interleaved in one process."
+    "A/B benchmark of ooo_wrap on one CUDA GPU: plain vs wrapped, interleaved in one process; "
+    "optionally also wrapped with overlap_forward=True and whole-step CUDA graphs of both."
 )
+EPILOG = "modes (each point measures every mode asked for, interleaved):\n" + "\n".join(
+    textwrap.fill(text, 88, initial_indent=f"  {mode:17}", subsequent_indent=" " * 19)
+    for mode, text in MODE_DESCRIPTIONS.items()
+)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the help, and the modes list kept as written."""
+
+
+def _modes(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        return list(check_modes(names))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _ints(text: str) -> list[int]:
@@ -50,8 +68,7 @@ def _names(allowed: Sequence[str]) -> Any:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; defaults are the full sweep, including the towers target point."""
     p = argparse.ArgumentParser(
-        description=DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=DESCRIPTION, epilog=EPILOG, formatter_class=_HelpFormatter
     )
     p.add_argument(
         "--models", type=_names(FAMILIES), default=list(FAMILIES), help="comma-separated families"
@@ -85,6 +102,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--transformer-heads", type=int, default=4, help="attention heads")
     g.add_argument("--transformer-seq", type=int, default=32, help="sequence length")
     g.add_argument("--transformer-batches", type=_ints, default=[8, 32, 128], help="batch sweep")
+    g = p.add_argument_group("fanout (launch-bound: many small MLP branches, concatenated)")
+    g.add_argument("--fanout", type=int, default=16, help="number of branches")
+    g.add_argument("--fanout-width", type=int, default=128, help="layer width")
+    g.add_argument("--fanout-depth", type=int, default=2, help="linear layers per branch")
+    g.add_argument("--fanout-batches", type=_ints, default=[32, 256], help="batch sweep")
     g = p.add_argument_group("method")
     g.add_argument("--warmup", type=int, default=5, help="warm-up steps per side, reported apart")
     g.add_argument("--steps", type=int, default=30, help="steady-state steps per side")
@@ -97,9 +119,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="OOOModule(planner=...); 'both' measures every point with each, side by side",
     )
     g.add_argument(
+        "--modes",
+        type=_modes,
+        default="plain,wrapped",
+        help=f"the sides of every point, from {', '.join(MODES)}; plain and wrapped are "
+        "required (listed below)",
+    )
+    g.add_argument(
         "--overlap-forward",
         action="store_true",
-        help="wrap with OOOModule(overlap_forward=True): stage joins deferred until touched",
+        help="add the mode wrapped_overlap: OOOModule(overlap_forward=True), stage joins "
+        "deferred until touched, beside wrapped",
+    )
+    g.add_argument(
+        "--graphs",
+        action="store_true",
+        help="add the modes plain_graphed and wrapped_graphed: the whole training step "
+        "captured with torch.cuda.graph and replayed",
+    )
+    g.add_argument(
+        "--graph-warmup",
+        type=int,
+        default=3,
+        help="eager steps (on a side stream) before each capture of a graphed mode",
     )
     g.add_argument("--seed", type=int, default=0, help="seeds parameters and batch")
     g.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate (momentum 0.9)")
@@ -125,7 +167,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--summarize", type=Path, default=None, help="print the report of an earlier JSON and exit"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    wanted = list(args.modes)
+    if args.overlap_forward:
+        wanted.append("wrapped_overlap")
+    if args.graphs:
+        wanted += GRAPHED_MODES
+    args.modes = list(check_modes(wanted))
+    if args.graph_warmup < 1:
+        p.error(f"--graph-warmup must be >= 1, got {args.graph_warmup}")
+    return args
 
 
 def build_points(args: argparse.Namespace) -> list[Point]:
@@ -150,6 +201,9 @@ def build_points(args: argparse.Namespace) -> list[Point]:
                     args.branches, args.branches_channels, args.branches_depth, args.branches_image
                 )
                 points += [Point(spec, b, dtype) for b in args.branches_batches]
+            elif family == "fanout":
+                spec = ModelSpec.fanout(args.fanout, args.fanout_width, args.fanout_depth)
+                points += [Point(spec, b, dtype) for b in args.fanout_batches]
             else:
                 spec = ModelSpec.transformer(
                     args.transformer_depth,

@@ -16,7 +16,10 @@
 #      step's limit so that the junit report is still written)
 #   b. CUDA Stream Sanitizer: record_stream preflight, wrapped training runs that must be
 #      silent, and races it must flag (a toy, and the wrapper with its fork wait removed)
-#   c. benchmark suite (full: the default sweep, cut to the time left; quick: 3 points)
+#   c. benchmark suite, every point in five modes interleaved (plain and wrapped eager,
+#      wrapped with overlap_forward=True, plain and wrapped with the whole step captured as
+#      a CUDA graph); full: the default sweep of four families, cut to the time left;
+#      quick: 3 points (the towers target, the transformer, the launch-bound fanout)
 #   d. optional, if time is left (not in --quick): the other `cuda` tests (torch.compile
 #      with inductor, DDP and FSDP with NCCL in spawned processes)
 # Exit status: 0 every required check (a-c) passed, 1 one failed, 3 one did not run to its
@@ -226,10 +229,12 @@ fi
 # --- c. benchmark suite ---------------------------------------------------------------------
 name="(c) benchmark suite"
 if starts "$name" 30; then
+  # Every mode at every point, in one process: eager, overlap_forward, CUDA graphs.
+  modes=(--overlap-forward --graphs)
   if ((QUICK)); then
-    sweep=(--models towers,transformer --dtypes float32 --towers-batches 16,64
-      --towers-widths 2048 --transformer-batches 32 --warmup 3 --steps 15
-      --overhead-repeats 10 --overhead-calls 100)
+    sweep=(--models towers,transformer,fanout --dtypes float32 --towers-batches 16
+      --towers-widths 2048 --transformer-batches 32 --fanout-batches 256 --warmup 3
+      --steps 15 --overhead-repeats 10 --overhead-calls 100)
   else
     sweep=(--warmup 5 --steps 30)
   fi
@@ -240,7 +245,7 @@ if starts "$name" 30; then
   say "$name ($MODE), new points for ${points_s}s, at most ${step_limit}s"
   rc=0
   run_limited "$step_limit" "$PYTHON" benchmarks/suite.py --require-gpu "${sweep[@]}" \
-    --budget-s "$points_s" --json "$JSON" --plot "$PLOT" || rc=$?
+    "${modes[@]}" --budget-s "$points_s" --json "$JSON" --plot "$PLOT" || rc=$?
   v=0
   detail=$("$PYTHON" scripts/gpu_kit.py bench "$JSON" --exit-status "$rc") || v=$?
   if [[ -f "$JSON" ]]; then

@@ -66,10 +66,14 @@ def bench_verdict(path: Path, exit_status: int) -> tuple[int, str]:
         key: len(report.get(key) or [])
         for key in ("results", "errors", "fallbacks", "out_of_memory", "skipped")
     }
+    # "<point> [<mode>]: <error>": one mode of a measured point (a graph that could not
+    # be captured, say); "<point>: <error>": the whole point.
+    mode_errors = sum(1 for e in report.get("errors") or [] if _names_a_mode(e))
     planned = report.get("points_planned") or "?"
     line = (
-        f"{counts['results']} of {planned} points measured, {counts['errors']} failed, "
-        f"{counts['fallbacks']} fell back, {counts['out_of_memory']} out of memory, "
+        f"{counts['results']} of {planned} points measured, "
+        f"{counts['errors'] - mode_errors} failed, {mode_errors} modes of measured points "
+        f"failed, {counts['fallbacks']} fell back, {counts['out_of_memory']} out of memory, "
         f"{counts['skipped']} not started for time; suite exit {exit_status}"
     )
     if counts["errors"] or counts["fallbacks"] or not counts["results"]:
@@ -79,6 +83,10 @@ def bench_verdict(path: Path, exit_status: int) -> tuple[int, str]:
     if exit_status != 0:
         return FAIL, line
     return PASS, line
+
+
+def _names_a_mode(entry: str) -> bool:
+    return entry.split(": ", 1)[0].endswith("]")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,7 +12,10 @@ kit runs, keeping the kit's own logic (time limits, verdicts, files, summary) re
 - ``scripts/sanitizer_check.py`` runs its real ``main`` with the GPU work replaced: clean
   runs succeed, the deliberate races raise an error named as the sanitizer's does;
 - ``benchmarks/suite.py`` runs its real ``main`` with ``measure_point`` replaced by a
-  record of fixed numbers; the point at batch ``STANDIN_FAIL_BATCH`` raises;
+  record of fixed numbers for every mode asked for (a graphed wrapped side reports the
+  wrapper inline under capture, as today's wrapper runs it); the point at batch
+  ``STANDIN_FAIL_BATCH`` raises, and the graphed modes of the family
+  ``STANDIN_FAIL_CAPTURE`` fail to capture;
 - anything else (``scripts/gpu_kit.py``) runs unchanged.
 """
 
@@ -143,26 +146,52 @@ def _suite(args: list[str]) -> int:
     from benchmarks import suite
 
     fail_batch = int(os.environ.get("STANDIN_FAIL_BATCH", "0"))
+    fail_capture = os.environ.get("STANDIN_FAIL_CAPTURE", "")
+    medians = {
+        "plain": 2.0,
+        "wrapped": 1.6,
+        "wrapped_overlap": 1.5,
+        "plain_graphed": 1.0,
+        "wrapped_graphed": 0.8,
+    }
 
     def measure_point(point: Any, device: Any, **kwargs: Any) -> dict[str, Any]:
         if point.batch == fail_batch:
             raise RuntimeError("stand-in failure")
-        wrapped = _side(1.6)
-        wrapped.update(active=True, events=[], stages=8, streams=4)
-        wrapped["stats_per_step"] = {"waits": 8, "record_streams": 16}
-        return {
+        modes = list(kwargs["modes"])
+        record: dict[str, Any] = {
             "model": point.spec.family,
             "label": point.spec.label,
             "size": point.spec.size,
             "batch": point.batch,
             "dtype": point.dtype,
             "planner": kwargs.get("planner"),
-            "plain": _side(2.0),
-            "wrapped": wrapped,
-            "speedup": 1.25,
+            "modes": modes,
+            "failed_modes": {},
+            "out_of_memory_modes": [],
+            "speedups": {},
             "memory_ratio": 1.0,
             "reserved_ratio": 1.0,
         }
+        for mode in modes:
+            if mode.endswith("_graphed") and point.spec.family == fail_capture:
+                record["failed_modes"][mode] = "GraphCaptureError: capture failed: stand-in"
+                continue
+            side = record[mode] = _side(medians[mode])
+            if mode != "plain":
+                record["speedups"][mode] = medians["plain"] / medians[mode]
+            if mode.endswith("_graphed"):
+                side.update(captured=True, capture_ms=50.0)
+            if mode.startswith("wrapped"):
+                side.update(active=True, events=[], stages=8, streams=4)
+            if mode == "wrapped_graphed":
+                side.update(graph_capture_bypasses=8, wrapper_in_capture="inline")
+            elif mode.startswith("wrapped"):
+                side["stats_per_step"] = {"waits": 8, "record_streams": 16}
+        record["speedup"] = record["speedups"]["wrapped"]
+        graphed = [record.get(m, {}).get("median_ms") for m in ("plain_graphed", "wrapped_graphed")]
+        record["graphed_speedup"] = graphed[0] / graphed[1] if None not in graphed else None
+        return record
 
     suite.measure_point = measure_point  # type: ignore[assignment]
     suite.overhead.measure = lambda repeats, calls: {

@@ -7,6 +7,7 @@ what the suite measures and writes is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import subprocess
@@ -19,8 +20,8 @@ import torch
 
 import ooo_wrap
 import ooo_wrap.testing
-from benchmarks import overhead, report, suite
-from benchmarks.measure import Point, measure_point, summarize_times
+from benchmarks import graphs, overhead, report, suite
+from benchmarks.measure import MODES, Point, measure_point, summarize_times
 from benchmarks.models import ModelSpec
 from ooo_wrap.testing import SimulatedBackend
 from ooo_wrap.testing._detect import DetectingBackend
@@ -34,8 +35,10 @@ SMALL = {
     "towers": ModelSpec.towers(3, 16, 2),
     "branches": ModelSpec.branches(4, 4, 2, 8),
     "transformer": ModelSpec.transformer(2, 16, 2, 8),
+    "fanout": ModelSpec.fanout(4, 8, 2),
 }
-STAGES = {"towers": 3, "branches": 4 + 2, "transformer": 2}  # branches: stem and head too
+# branches and fanout: their stem and head too
+STAGES = {"towers": 3, "branches": 4 + 2, "transformer": 2, "fanout": 4 + 2}
 
 
 @pytest.mark.parametrize("family", sorted(SMALL))
@@ -465,7 +468,8 @@ def test_commit_comes_from_the_environment_without_git(
 def test_default_sweep_starts_at_the_target_point() -> None:
     points = suite.build_points(suite.parse_args([]))
     assert points[0] == Point(ModelSpec.towers(8, 2048, 4), 16, "float32")
-    assert len(points) == 2 * (3 + 3 + 3 + 3)  # per dtype: towers batch + width, branches, tf
+    # per dtype: towers batch + width, branches, transformer, fanout
+    assert len(points) == 2 * (3 + 3 + 3 + 3 + 2)
     assert [p.dtype for p in points[:12]] == ["float32"] * 12
     widths = {p.spec.width for p in points if p.spec.family == "towers"}
     assert widths == {512, 1024, 2048, 4096}
@@ -591,10 +595,11 @@ def test_a_learned_no_parallelism_chain_makes_no_backend_call() -> None:
 
 
 def test_measure_point_with_overlap_forward_defers_the_joins() -> None:
-    """The suite's --overlap-forward switch is recorded and reaches the wrapper."""
+    """The suite's --overlap-forward adds the mode beside wrapped; it reaches the wrapper."""
     args = suite.parse_args(["--overlap-forward"])
-    assert args.overlap_forward and suite._settings(args)["overlap_forward"]
-    spec = SMALL["towers"]
+    assert args.modes == ["plain", "wrapped", "wrapped_overlap"]
+    assert suite._settings(args)["overlap_forward"]
+    spec = SMALL["fanout"]
     record = measure_point(
         Point(spec, 2, "float32"),
         CPU,
@@ -603,8 +608,315 @@ def test_measure_point_with_overlap_forward_defers_the_joins() -> None:
         mem_steps=1,
         backend=SimulatedBackend(),
         planner="static",
-        overlap_forward=True,
+        modes=args.modes,
     )
-    wrapped = record["wrapped"]
-    assert wrapped["active"] and wrapped["stats_per_step"]["stage_calls"] == 3
-    assert wrapped["final_loss"] == record["plain"]["final_loss"]
+    wrapped, overlap = record["wrapped"], record["wrapped_overlap"]
+    assert overlap["active"] and overlap["stats_per_step"]["stage_calls"] == 6
+    # Eager joins: one wait per stage call. Deferred: the head's stream also waits on each
+    # branch's pending join when it receives their outputs, so the stats tell them apart.
+    assert wrapped["stats_per_step"]["waits"] == 6
+    assert overlap["stats_per_step"]["waits"] == 6 + 4
+    assert overlap["final_loss"] == record["plain"]["final_loss"] == wrapped["final_loss"]
+    assert set(record["speedups"]) == {"wrapped", "wrapped_overlap"}
+
+
+class _Replay:
+    """What a capture returns: replays give back the captured step's (static) loss."""
+
+    captured = True
+    reason = None
+
+    def __init__(self, output: torch.Tensor) -> None:
+        self.output = output
+        self.calls = 0
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.output
+
+
+def _simulated_capture(backend: SimulatedBackend, *, mark_capturing: bool, seen: list[Any]) -> Any:
+    """A capture on virtual streams: warm-up steps, then one step with the stream capturing.
+
+    ``mark_capturing=False`` stands for a wrapper that forks onto side streams under capture
+    (it never reports a graph_capture bypass); a real replay runs no Python, so neither
+    does this one.
+    """
+
+    def capture(step_fn: Any, *args: torch.Tensor, zero_grad: Any, warmup: int) -> _Replay:
+        seen.append(warmup)
+        for _ in range(warmup):
+            zero_grad()
+            step_fn(*args)
+        zero_grad()
+        side = zero_grad.__self__  # the side's bound zero_grad: its model's gradients
+        seen.append(all(p.grad is None for p in side.model.parameters()))  # set to None
+        with backend.capturing() if mark_capturing else contextlib.nullcontext():
+            return _Replay(step_fn(*args))
+
+    return capture
+
+
+@pytest.mark.parametrize("mark_capturing", [True, False])
+def test_graphed_modes_record_whether_the_wrapper_bypassed_under_capture(
+    mark_capturing: bool,
+) -> None:
+    backend = SimulatedBackend()
+    seen: list[Any] = []
+    record = measure_point(
+        Point(SMALL["towers"], 2, "float32"),
+        CPU,
+        warmup=1,
+        steps=2,
+        mem_steps=1,
+        backend=backend,
+        planner="static",
+        modes=["wrapped_graphed", "plain", "plain_graphed", "wrapped"],
+        capture=_simulated_capture(backend, mark_capturing=mark_capturing, seen=seen),
+        graph_warmup=2,
+    )
+    # Two captures per graphed mode (memory phase, timing phase), each after 2 warm-ups and
+    # with the gradients cleared to None just before it.
+    assert seen == [2, True] * 4
+    assert record["modes"] == ["plain", "wrapped", "plain_graphed", "wrapped_graphed"]
+    assert record["failed_modes"] == {} and record["out_of_memory_modes"] == []
+    plain_graphed, wrapped_graphed = record["plain_graphed"], record["wrapped_graphed"]
+    for side in (plain_graphed, wrapped_graphed):
+        assert side["captured"] and side["capture_ms"] > 0
+        assert len(side["warmup_ms"]) == 1 and len(side["first_steps_ms"]) == 1
+    assert "graph_capture_bypasses" not in plain_graphed and "active" not in plain_graphed
+    assert wrapped_graphed["active"] and wrapped_graphed["stages"] == 3
+    assert "stats_per_step" not in wrapped_graphed  # replays run no hooks: nothing per step
+    if mark_capturing:  # today's wrapper: each of the 3 stage calls of the capture inline
+        assert wrapped_graphed["graph_capture_bypasses"] == 3
+        assert wrapped_graphed["wrapper_in_capture"] == "inline"
+        note = "wrapper bypassed under capture: stages inline (BYPASSED/graph_capture x3)"
+    else:
+        assert wrapped_graphed["graph_capture_bypasses"] == 0
+        assert wrapped_graphed["wrapper_in_capture"] == "side streams"
+        note = "no graph_capture bypass: stages on side streams inside the capture"
+    assert set(record["speedups"]) == {"wrapped", "plain_graphed", "wrapped_graphed"}
+    assert record["graphed_speedup"] == pytest.approx(
+        plain_graphed["median_ms"] / wrapped_graphed["median_ms"]
+    )
+    rows = report.modes_table([record]).splitlines()[2:]
+    assert [row.split(" | ")[3] for row in rows] == record["modes"]
+    assert note in rows[3] and "speedup vs plain_graphed" in rows[3]
+    assert "captured in" in rows[2] and "3 waits / 6 record_streams" in rows[1]
+
+
+def test_a_mode_that_cannot_capture_is_failed_with_its_error_not_dropped() -> None:
+    # The real capture on a CPU: no CUDA, so both graphed modes fail; eager is measured.
+    record = measure_point(
+        Point(SMALL["towers"], 2, "float32"),
+        CPU,
+        warmup=0,
+        steps=1,
+        mem_steps=1,
+        backend=SimulatedBackend(),
+        planner="static",
+        modes=list(MODES),
+    )
+    error = "GraphCaptureError: CUDA graphs need a CUDA device; none is visible to PyTorch"
+    assert record["failed_modes"] == {"plain_graphed": error, "wrapped_graphed": error}
+    assert "plain_graphed" not in record and "wrapped_graphed" not in record
+    assert record["wrapped"]["active"] and record["wrapped_overlap"]["active"]
+    assert set(record["speedups"]) == {"wrapped", "wrapped_overlap"}
+    assert record["graphed_speedup"] is None
+    table = report.modes_table([record])
+    assert table.count(f"**FAILED: {error}**") == 2
+
+    # A helper that ran the step eagerly instead of capturing it is a failure too.
+    class Eager:
+        captured = False
+        reason = "no CUDA device"
+
+    record = measure_point(
+        Point(SMALL["towers"], 2, "float32"),
+        CPU,
+        warmup=0,
+        steps=1,
+        mem_steps=1,
+        modes=["plain", "wrapped", "plain_graphed"],
+        capture=lambda step_fn, *args, **kwargs: Eager(),
+    )
+    assert record["failed_modes"] == {
+        "plain_graphed": "GraphCaptureError: not captured: no CUDA device"
+    }
+
+
+def test_plain_or_wrapped_failing_still_fails_the_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import measure
+
+    body = measure._Side.body
+
+    def wrapped_breaks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.name == "wrapped":
+            raise RuntimeError("boom")
+        return body(self, *args, **kwargs)
+
+    monkeypatch.setattr(measure._Side, "body", wrapped_breaks)
+    with pytest.raises(RuntimeError, match="boom"):  # raised, for the suite to file it
+        measure_point(Point(SMALL["towers"], 2, "float32"), CPU, steps=1, mem_steps=1, modes=MODES)
+
+
+def test_mode_selection_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert suite.parse_args([]).modes == ["plain", "wrapped"]
+    both = suite.parse_args(["--graphs", "--overlap-forward"])
+    assert both.modes == list(MODES)
+    settings = suite._settings(both)
+    assert settings["modes"] == list(MODES) and settings["overlap_forward"]
+    assert settings["graph_warmup"] == 3 and "replay" in settings["timing"]
+    listed = suite.parse_args(["--modes", "wrapped_graphed,wrapped,plain,wrapped"])
+    assert listed.modes == ["plain", "wrapped", "wrapped_graphed"]  # MODES order, no repeat
+    assert not suite._settings(listed)["overlap_forward"]
+    for bad, message in (
+        ("plain,plain_graphed", "must include plain and wrapped"),
+        ("plain,wrapped,compiled", "unknown mode compiled"),
+    ):
+        with pytest.raises(SystemExit):
+            suite.parse_args(["--modes", bad])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        suite.parse_args(["--graphs", "--graph-warmup", "0"])
+    assert "--graph-warmup must be >= 1" in capsys.readouterr().err
+
+
+def _moded_measure(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
+    """measure_point's stand-in for runs with every mode: the modes asked for, by batch."""
+    record = fake_record("towers", TARGET, point.batch, 1.1)
+    record["modes"] = list(kwargs["modes"])
+    record["failed_modes"], record["out_of_memory_modes"] = {}, []
+    record["speedups"] = {"wrapped": 1.1}
+    for mode in kwargs["modes"][2:]:
+        record[mode] = dict(record["wrapped"], median_ms=1.0)
+        record["speedups"][mode] = 2.0
+    if point.batch == 32:
+        record["failed_modes"]["plain_graphed"] = "GraphCaptureError: capture failed: boom"
+        del record["plain_graphed"], record["speedups"]["plain_graphed"]
+        record["out_of_memory_modes"].append("wrapped_overlap")
+        del record["wrapped_overlap"], record["speedups"]["wrapped_overlap"]
+    if point.batch == 64:
+        record["wrapped_graphed"].update(active=False, events=["DISABLED/cpu"])
+    return record
+
+
+def test_the_suite_files_each_modes_outcome_under_the_point(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(suite, "measure_point", _moded_measure)
+    monkeypatch.setattr(suite, "environment", lambda argv: dict(ENV))
+    monkeypatch.setattr(suite.overhead, "measure", lambda repeats, calls: dict(HOST))
+    flags = "--models towers --dtypes float32 --towers-widths 2048 --towers-batches 16,32,64"
+    args = suite.parse_args(
+        [*flags.split(), "--planner", "static", "--graphs", "--overlap-forward"]
+    )
+    data = suite.run_gpu(args, [], device=CPU)
+    name = "towers K=8 W=2048 D=4 batch={} float32"
+    assert [r["modes"] for r in data["results"]] == [list(MODES)] * 3
+    assert data["errors"] == [
+        f"{name.format(32)} [plain_graphed]: GraphCaptureError: capture failed: boom"
+    ]
+    assert data["out_of_memory"] == [f"{name.format(32)} [wrapped_overlap]"]
+    assert data["fallbacks"] == [f"{name.format(64)} [wrapped_graphed]: DISABLED/cpu"]
+    err = capsys.readouterr().err
+    assert (
+        "wrapped_graphed 1.000 ms (2.000x)" in err
+        and "FAILED: plain_graphed, wrapped_overlap" in err
+    )
+    text = report.render_report(data)
+    assert f"Modes measured at every point: {', '.join(MODES)}" in text
+    assert "**FAILED: GraphCaptureError: capture failed: boom**" in text
+    assert "| wrapped_overlap | - | - | - | - | out of memory on this GPU |" in text
+    assert "**not wrapped: DISABLED/cpu**" in text
+    assert f"- {name.format(32)} [plain_graphed]: GraphCaptureError" in text  # FAILED points
+
+
+def test_a_run_of_plain_and_wrapped_has_no_modes_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    data, _ = _run(monkeypatch, "16")
+    assert "Modes measured" not in report.render_report(data)
+
+
+def test_the_time_budget_leaves_the_last_family_listed_not_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = iter(range(0, 1000, 10))  # each read 10 s on: a point starts at 10 s, the next at 30 s
+    monkeypatch.setattr(suite.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(suite, "measure_point", _moded_measure)
+    monkeypatch.setattr(suite, "environment", lambda argv: dict(ENV))
+    monkeypatch.setattr(suite.overhead, "measure", lambda repeats, calls: dict(HOST))
+    flags = "--models towers,fanout --dtypes float32 --towers-widths 2048 --towers-batches 16"
+    flags += " --fanout-batches 128,256"
+    args = suite.parse_args([*flags.split(), "--planner", "static", "--graphs", "--budget-s", "35"])
+    data = suite.run_gpu(args, [], device=CPU)
+    assert [r["batch"] for r in data["results"]] == [16, 128] and not data["errors"]
+    assert data["skipped"] == ["fanout N=16 W=128 D=2 batch=256 float32"]
+    assert data["complete"] and data["points_planned"] == 3
+
+
+ENV = {
+    "date_utc": "2026-12-01T07:00:00+00:00",
+    "gpu": "test",
+    "torch": "2.11.0",
+    "ooo_wrap": "0.1.0",
+    "command": "python benchmarks/suite.py",
+}
+
+
+def test_capture_step_needs_cuda_and_a_warmup() -> None:
+    with pytest.raises(graphs.GraphCaptureError, match="need a CUDA device"):
+        graphs.capture_step(lambda x: x, torch.ones(1), zero_grad=lambda: None)
+    with pytest.raises(ValueError, match="warmup must be >= 1"):
+        graphs.capture_step(lambda x: x, torch.ones(1), zero_grad=lambda: None, warmup=0)
+
+
+def test_a_graphed_step_copies_its_arguments_in_and_replays() -> None:
+    class Graph:
+        replays = 0
+
+        def replay(self) -> None:
+            Graph.replays += 1
+
+    static = [torch.zeros(2), torch.zeros(2, dtype=torch.long)]
+    step = graphs.GraphedStep(Graph(), static, output="loss")  # type: ignore[arg-type]
+    assert step(torch.tensor([1.0, 2.0]), torch.tensor([3, 4])) == "loss"
+    assert static[0].tolist() == [1.0, 2.0] and static[1].tolist() == [3, 4]
+    assert Graph.replays == 1 and step.captured and step.reason is None
+    with pytest.raises(TypeError, match="expected 2 arguments, got 1"):
+        step(torch.zeros(2))
+    assert Graph.replays == 1
+
+
+def test_graph_capture_bypasses_counts_only_that_reason() -> None:
+    backend = SimulatedBackend()
+    model = ooo_wrap.OOOModule(
+        SMALL["towers"].build(), streams=3, backend=backend, planner="static"
+    )
+    x, _ = SMALL["towers"].make_batch(2)
+    assert graphs.graph_capture_bypasses(model) == 0
+    with backend.capturing():
+        model(x)
+        model(x)
+    with ooo_wrap.disabled():
+        model(x)  # bypassed too, for another reason: not counted
+    assert graphs.graph_capture_bypasses(model) == 2 * 3
+    assert graphs.graph_capture_bypasses(SMALL["towers"].build()) == 0  # never wrapped
+
+
+def test_a_mode_out_of_memory_is_listed_as_such_not_as_a_failure() -> None:
+    def too_big(*args: Any, **kwargs: Any) -> Any:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (graph pool)")
+
+    record = measure_point(
+        Point(SMALL["towers"], 2, "float32"),
+        CPU,
+        warmup=0,
+        steps=1,
+        mem_steps=1,
+        modes=["plain", "wrapped", "plain_graphed"],
+        capture=too_big,
+    )
+    assert record["out_of_memory_modes"] == ["plain_graphed"] and record["failed_modes"] == {}
+    assert "| plain_graphed | - | - | - | - | out of memory on this GPU |" in report.modes_table(
+        [record]
+    )

@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ooo_wrap
 from benchmarks import suite
-from benchmarks.measure import Point, measure_point
+from benchmarks.measure import GRAPHED_MODES, MODES, Point, measure_point
 from benchmarks.models import ModelSpec
 from examples import quickstart, transformer
 from ooo_wrap import _compat
@@ -338,6 +338,27 @@ def test_measure_point_on_cuda(dtype: str) -> None:
         assert abs(wrapped["final_loss"] - plain["final_loss"]) <= REL_TOL * abs(
             plain["final_loss"]
         )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_measure_point_graphed_modes_capture_on_cuda(dtype: str) -> None:
+    # The suite's whole-step CUDA graphs: both graphed modes capture and replay, and the
+    # record says how the wrapper ran under capture (inline or on side streams).
+    point = Point(ModelSpec.fanout(4, 64, 2), 8, dtype)  # type: ignore[arg-type]
+    record = measure_point(
+        point, DEVICE, warmup=1, steps=3, mem_steps=2, modes=MODES, graph_warmup=2
+    )
+    assert record["failed_modes"] == {} and record["out_of_memory_modes"] == []
+    for mode in GRAPHED_MODES:
+        side = record[mode]
+        assert side["captured"] and side["capture_ms"] > 0 and side["median_ms"] > 0
+        assert math.isfinite(side["final_loss"]) and side["peak_memory_bytes"] > 0
+    graphed = record["wrapped_graphed"]
+    assert graphed["active"], graphed["events"]
+    bypasses = graphed["graph_capture_bypasses"]
+    assert graphed["wrapper_in_capture"] == ("inline" if bypasses else "side streams")
+    assert 0 <= bypasses <= graphed["stages"]  # one forward captured: each stage once
+    assert record["wrapped_overlap"]["active"] and record["graphed_speedup"] > 0
 
 
 def test_suite_on_cuda_writes_json_and_table(

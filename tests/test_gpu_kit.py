@@ -60,7 +60,8 @@ def _rows(summary: str) -> dict[str, tuple[str, str]]:
 def test_full_dry_run_keeps_a_failing_point_and_at_most_eight_files(tmp_path: Path) -> None:
     # GIT_DIR pointing nowhere: a checkout copied without .git, as on the GPU machine.
     no_git = {"GIT_DIR": str(tmp_path / "no-git"), "OOO_WRAP_COMMIT": "abc1234"}
-    status, out, output = _kit(tmp_path, STANDIN_FAIL_BATCH="64", **no_git)
+    failing = {"STANDIN_FAIL_BATCH": "64", "STANDIN_FAIL_CAPTURE": "transformer"}
+    status, out, output = _kit(tmp_path, **failing, **no_git)
     files = _files(out)
     assert len(files) <= MAX_FILES, files
     assert {f.split("_")[0] for f in files} == {"benchmark", "gpu", "summary.md"}
@@ -78,15 +79,23 @@ def test_full_dry_run_keeps_a_failing_point_and_at_most_eight_files(tmp_path: Pa
     assert "2/2 broken runs flagged" in rows["(b) CUDA Stream Sanitizer"][1]
     assert "record_stream counted as a write" in rows["(b) CUDA Stream Sanitizer"][1]
     # The failing points fail the step, and every other point is still in the table; each
-    # point is measured twice, with the learned plan and with the static one.
+    # point is measured twice, with the learned plan and with the static one: 4 families,
+    # 14 points per precision. The transformer's graphed modes fail to capture: each is
+    # a failure of its own, and the point's other modes are still measured.
     bench = rows["(c) benchmark suite"]
-    assert bench[0] == "FAIL" and "40 of 48 points measured, 8 failed" in bench[1]
+    assert bench[0] == "FAIL"
+    assert "48 of 56 points measured, 8 failed, 24 modes of measured points failed" in bench[1]
     (json_path,) = out.glob("benchmark_*.json")
     data = json.loads(json_path.read_text())
-    assert len(data["results"]) == 40 and len(data["errors"]) == 8 and data["complete"]
+    assert len(data["results"]) == 48 and len(data["errors"]) == 8 + 24 and data["complete"]
     assert "FAILED points:\n- towers K=8 W=2048 D=4 batch=64 float32" in summary
     for planner in ("dataflow", "static"):
-        assert summary.count(f"| towers K=8 W=2048 D=4 [{planner}] | 16 | float32 |") == 1
+        assert summary.count(f"| towers K=8 W=2048 D=4 [{planner}] | 16 | float32 | 2.000") == 1
+    _assert_every_mode_measured(data, summary, float32_points=24, budget_s=110)
+    assert {r["model"] for r in data["results"]} == {"towers", "branches", "transformer", "fanout"}
+    failed = "transformer L=4 d=64 h=4 T=32 batch=8 float32 planner=dataflow [plain_graphed]"
+    assert f"- {failed}: GraphCaptureError: capture failed: stand-in" in summary
+    assert summary.count("**FAILED: GraphCaptureError: capture failed: stand-in**") == 24
     # An import error in one module does not take the optional step down.
     optional = rows["(d) other cuda tests (optional)"]
     assert optional[0] == "FAIL" and optional[1].startswith("1 passed, 1 failed or errored")
@@ -106,10 +115,41 @@ def test_quick_dry_run_passes_with_three_points_and_no_optional_step(tmp_path: P
     assert [r[0] for r in rows.values()] == ["PASS", "PASS", "PASS", "PASS", "NOT RUN"]
     assert rows["(d) other cuda tests (optional)"] == ("NOT RUN", "--quick")
     assert "2/2 clean runs silent" in rows["(b) CUDA Stream Sanitizer"][1]
-    # Three points, each with the learned plan and with the static one.
-    assert rows["(c) benchmark suite"][1].startswith("6 of 6 points measured, 0 failed")
+    # Three points, each with the learned plan and with the static one, in every mode.
+    assert rows["(c) benchmark suite"][1].startswith(
+        "6 of 6 points measured, 0 failed, 0 modes of measured points failed"
+    )
+    (json_path,) = out.glob("benchmark_*.json")
+    data = json.loads(json_path.read_text())
+    assert [r["label"] for r in data["results"][::2]] == [
+        "towers K=8 W=2048 D=4",
+        "transformer L=4 d=64 h=4 T=32",
+        "fanout N=16 W=128 D=2",
+    ]
+    assert data["settings"]["steps"] == 15 and data["settings"]["warmup"] == 3
+    _assert_every_mode_measured(data, summary, float32_points=6, budget_s=25)
     assert "(quick)" in summary
     assert summary.rstrip().endswith("RESULT: every required check passed")
+
+
+MODES = ["plain", "wrapped", "wrapped_overlap", "plain_graphed", "wrapped_graphed"]
+
+
+def _assert_every_mode_measured(
+    data: dict[str, object], summary: str, *, float32_points: int, budget_s: float
+) -> None:
+    """The kit asked for every mode, within the step's time budget, and the summary shows each."""
+    settings = data["settings"]
+    assert isinstance(settings, dict) and settings["modes"] == MODES
+    assert 5 <= settings["budget_s"] <= budget_s  # new points stop within the step's limit
+    assert f"Modes measured at every point: {', '.join(MODES)}" in summary
+    for mode in MODES:  # a row per measured point and mode, a failed one included
+        rows = [line for line in summary.splitlines() if f" | float32 | {mode} | " in line]
+        assert len(rows) == float32_points, (mode, len(rows))
+    fanout = "| fanout N=16 W=128 D=2 [dataflow] | 256 | float32 | wrapped_graphed | 0.800"
+    (row,) = [line for line in summary.splitlines() if line.startswith(fanout)]
+    assert "| 2.500x |" in row and "stages inline (BYPASSED/graph_capture x8)" in row
+    assert "speedup vs plain_graphed 1.250x" in row
 
 
 def test_steps_without_time_left_are_not_run_not_failed(tmp_path: Path) -> None:
@@ -222,6 +262,9 @@ def test_bench_verdict(tmp_path: Path) -> None:
 
     assert verdict()[0] == gpu_kit.PASS
     assert verdict(errors=["p: boom"])[0] == gpu_kit.FAIL
+    mode = verdict(errors=["p planner=static [plain_graphed]: GraphCaptureError: x", "q: boom"])
+    assert mode[0] == gpu_kit.FAIL  # a mode that could not be captured fails the step too
+    assert "1 failed, 1 modes of measured points failed" in mode[1]
     assert verdict(fallbacks=["p: DISABLED/cpu"])[0] == gpu_kit.FAIL  # a fallback is no pass
     oom = verdict(out_of_memory=["p"], results=[{}, {}])
     assert oom[0] == gpu_kit.PASS and "1 out of memory" in oom[1]
