@@ -494,8 +494,10 @@ def test_a_dropped_stage_output_is_not_reused_while_the_caller_still_reads_it(
 
 GRAPH_REPLAYS = 100
 # float32 over a hundred optimizer steps: the same kernels on both sides, but each side
-# stream has its own cuBLAS workspace, which may pick another algorithm.
-GRAPH_REL_TOL = 1e-4
+# stream has its own cuBLAS workspace, which may pick another algorithm, and Adam turns a
+# last-bit difference in a near-zero gradient into a step of up to the learning rate. A
+# missing join or a stale input reads garbage, far outside this.
+GRAPH_REL_TOL = 1e-3
 
 
 def _graph_batches(count: int) -> list[Batch]:
