@@ -18,7 +18,7 @@ import torch
 from ._compat import stale_capture_streams_overridden
 from ._errors import OOOConfigError, OOOError, positive_int
 from ._tensors import non_tensor_leaves
-from ._wrap import is_wrapped, mark_graphed, plan_pending, root_hooks_lifted
+from ._wrap import is_wrapped, mark_graphed, plan_pending, root_hooks_lifted, stage_of
 
 __all__ = ["GraphedStep", "graphed_step", "make_graphed_callables"]
 
@@ -343,8 +343,10 @@ def make_graphed_callables(callables: _T, sample_args: tuple[Any, ...], **kwargs
         graphed), or ``callables`` unchanged without CUDA.
 
     Raises:
-        Whatever PyTorch raises (the wrapper's hooks are back on the models by then),
-        e.g. ``AssertionError`` for hooks of the caller's own on a module passed.
+        OOOConfigError: a callable is a stage of a wrapped model (its hooks are the
+            wrapper's: pass the model, or unwrap it first).
+        Exception: whatever PyTorch raises (the wrapper's hooks are back on the models by
+            then), e.g. ``AssertionError`` for hooks of the caller's own on a module.
 
     Example::
 
@@ -352,15 +354,16 @@ def make_graphed_callables(callables: _T, sample_args: tuple[Any, ...], **kwargs
         >>> model = ooo_wrap.make_graphed_callables(model, (x,))
         >>> model(x).sum().backward()  # replays the forward graph, then the backward one
     """
+    several = isinstance(callables, tuple)
+    items: tuple[Any, ...] = callables if isinstance(callables, tuple) else (callables,)
+    samples: tuple[Any, ...] = sample_args if several else (sample_args,)
+    _refuse_stages(items)  # with CUDA or not: a script that runs here runs on a GPU
     if not torch.cuda.is_available():
         logger.info(
             "ooo_wrap.make_graphed_callables: no CUDA device; the callables are returned "
             "unchanged and run eagerly"
         )
         return callables
-    several = isinstance(callables, tuple)
-    items: tuple[Any, ...] = callables if isinstance(callables, tuple) else (callables,)
-    samples: tuple[Any, ...] = sample_args if several else (sample_args,)
     models = list({id(item): item for item in items if is_wrapped(item)}.values())
     for item, args in zip(items, samples, strict=False):
         if is_wrapped(item) and plan_pending(item):
@@ -374,6 +377,20 @@ def make_graphed_callables(callables: _T, sample_args: tuple[Any, ...], **kwargs
     for model in models:
         mark_graphed(model)
     return graphed
+
+
+def _refuse_stages(items: tuple[Any, ...]) -> None:
+    """A stage passed alone carries the wrapper's hooks, which PyTorch refuses; say what
+    to pass instead before PyTorch's less specific assertion does."""
+    for index, item in enumerate(items):
+        owner = stage_of(item)
+        if owner is not None:
+            model, name = owner
+            raise OOOConfigError(
+                f"callable {index} passed to make_graphed_callables is stage {name!r} of a "
+                f"wrapped {type(model).__name__}, and its hooks are the wrapper's; pass the "
+                "wrapped model itself, or ooo_wrap.unwrap(model) first to graph its parts"
+            )
 
 
 def _learn_plan(model: torch.nn.Module, args: tuple[Any, ...]) -> None:

@@ -264,6 +264,17 @@ def plan_pending(model: nn.Module) -> bool:
     return state is not None and state.learner is not None
 
 
+def stage_of(module: object) -> tuple[nn.Module, str] | None:
+    """The wrapped model and stage name if ``module`` is a stage with the wrapper's hooks."""
+    for model, state in list(_wrapped.items()):
+        if state.scheduler is None:
+            continue  # no stage hooks yet (plan to be learned) or none at all
+        for stage in state.plan.stages:
+            if model.get_submodule(stage.name) is module:
+                return model, stage.name
+    return None
+
+
 @contextlib.contextmanager
 def root_hooks_lifted(model: nn.Module) -> Iterator[None]:
     """Take the wrapper's hooks off ``model`` itself for the block; its stages keep theirs.

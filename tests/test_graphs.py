@@ -328,3 +328,22 @@ def test_make_graphed_callables_lifts_the_root_hooks_for_torchs_call(
 def _wrapped_and_plain() -> tuple[nn.Module, nn.Module]:
     plain = Towers()
     return plain, _wrapped(plain)
+
+
+def test_a_stage_passed_alone_is_refused_with_what_to_pass() -> None:
+    model = _wrapped(Towers())
+    stage = model.get_submodule(model.plan.stages[1].name)
+    x = torch.randn(5, DIM)
+    with pytest.raises(
+        ooo_wrap.OOOConfigError,
+        match=r"callable 1 .* is stage 'towers.1' of a wrapped Towers.*pass the wrapped model",
+    ):
+        ooo_wrap.make_graphed_callables((model, stage), ((x,), (x,)))
+
+
+def test_torchs_own_function_refuses_a_wrapped_model() -> None:
+    # The premise of ooo_wrap.make_graphed_callables; PyTorch checks hooks before any CUDA
+    # work, so this runs on the CPU too.
+    model = _wrapped(Towers())
+    with pytest.raises(AssertionError, match="Modules must not have hooks registered"):
+        torch.cuda.make_graphed_callables(model, (torch.randn(5, DIM),))
