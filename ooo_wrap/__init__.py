@@ -8,6 +8,7 @@ import logging
 from ._config import from_config
 from ._errors import OOOConfigError, OOOError
 from ._events import EventKind, OOOEvent
+from ._graphs import GraphedStep, graphed_step, make_graphed_callables
 from ._plan import Plan, Stage, plan
 from ._scheduler import disabled
 from ._stats import OOOStats
@@ -15,6 +16,7 @@ from ._wrap import OOOModule, events_for, unwrap
 
 __all__ = [
     "EventKind",
+    "GraphedStep",
     "OOOConfigError",
     "OOOError",
     "OOOEvent",
@@ -25,6 +27,8 @@ __all__ = [
     "disabled",
     "events_for",
     "from_config",
+    "graphed_step",
+    "make_graphed_callables",
     "plan",
     "unwrap",
 ]

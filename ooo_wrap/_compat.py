@@ -6,13 +6,31 @@ guarded here; README "Measuring on a GPU" lists each API with the version that a
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["is_checkpoint_early_stop", "is_compiled_module", "stream_is_capturing"]
+__all__ = [
+    "forward_hook_dicts",
+    "is_checkpoint_early_stop",
+    "is_compiled_module",
+    "stale_capture_streams_overridden",
+    "stream_is_capturing",
+]
+
+# The private dicts ``register_forward_pre_hook`` / ``register_forward_hook`` fill, by name
+# (each maps a handle id to a hook or to ``True``); present since torch 2.1.
+_FORWARD_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 def is_compiled_module(model: nn.Module) -> bool:
@@ -54,3 +72,36 @@ def stream_is_capturing(stream: Any) -> bool:
     if torch.device(stream.device).type != "cuda":
         return False
     return bool(torch.cuda.is_current_stream_capturing())
+
+
+def forward_hook_dicts(module: nn.Module) -> tuple[dict[int, Any], ...]:
+    """The module's own forward hook dicts (private ``nn.Module`` attributes), in a fixed order.
+
+    A removed hook can only be put back exactly (same handle id, same place in the call
+    order) by writing these dicts: registering it again appends it under a new id.
+    """
+    return tuple(getattr(module, name) for name in _FORWARD_HOOK_DICTS)
+
+
+@contextlib.contextmanager
+def stale_capture_streams_overridden() -> Iterator[bool]:
+    """Let autograd, during a CUDA graph capture, run a node that still names a stream from
+    before the capture (a gradient accumulator kept alive since an eager warm-up) on the
+    producer's capturing stream instead; yields whether this torch can.
+
+    ``torch.autograd.graph.set_override_stale_capture_stream`` is newer than torch 2.11 and
+    process-wide, so it is set only where present and only for the block, then put back
+    as it was, read through the private getter ``torch._C._override_stale_capture_stream``
+    (added with it). Without both, nothing changes.
+    """
+    setter = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    getter = getattr(torch._C, "_override_stale_capture_stream", None)
+    if setter is None or getter is None:
+        yield False
+        return
+    before = bool(getter())
+    setter(True)
+    try:
+        yield True
+    finally:
+        setter(before)

@@ -321,6 +321,15 @@ class Scheduler:
             backend.wait_event(current, event)
         self._counters.joins += len(used)
 
+    def stages_replay_in_a_graph(self) -> None:
+        """Expect forwards that call no stage from now on, and say nothing of them.
+
+        After ``torch.cuda.make_graphed_callables`` the model's forward replays a graph
+        that ran its stages on their side streams when it was captured: the stage hooks
+        no longer run, yet every stage runs where it should.
+        """
+        self._not_called_reported.update(stage.name for stage in self._stages)
+
     def _report_not_called(self, called: set[_StageRuntime]) -> None:
         """Say once per stage that a forward finished without calling it: its hooks never
         ran, so it never ran on its stream (a grouping module forward does not call, or

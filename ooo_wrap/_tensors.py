@@ -14,7 +14,7 @@ import torch
 # (register_pytree_node). This file is the only one in ooo_wrap that imports it.
 from torch.utils import _pytree
 
-__all__ = ["map_leaves", "named_tensors", "storage_tensor", "tensors_in"]
+__all__ = ["map_leaves", "named_tensors", "non_tensor_leaves", "storage_tensor", "tensors_in"]
 
 _Tensor = torch.Tensor
 # Values that hold no tensor: never searched, never reported.
@@ -102,6 +102,16 @@ def named_tensors(value: Any, name: str) -> list[tuple[str, torch.Tensor]]:
             for key, item in leaf.items():
                 found += named_tensors(item, f"{where}[{key!r}]")
     return found
+
+
+def non_tensor_leaves(value: Any, name: str) -> list[str]:
+    """``"output[1]['lr'] (float)"`` for each leaf of ``value``'s containers that is
+    neither a tensor nor ``None``."""
+    return [
+        f"{name}{_pytree.keystr(path)} ({type(leaf).__name__})"
+        for path, leaf in _pytree.tree_flatten_with_path(value)[0]
+        if leaf is not None and not isinstance(leaf, torch.Tensor)
+    ]
 
 
 def map_leaves(fn: Callable[[Any], Any], value: Any) -> Any:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, SupportsIndex
 
@@ -16,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._backend import AcceleratorBackend, Backend
 from ._classswap import build_original, wrapped_class
-from ._compat import is_compiled_module
+from ._compat import forward_hook_dicts, is_compiled_module
 from ._errors import OOOConfigError, OOOError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
 from ._learn import Learner, finish, named_stages, pending_plan
@@ -249,6 +250,71 @@ def events_for(model: nn.Module) -> tuple[OOOEvent, ...]:
     if state is not None:
         return state.events()
     return _detached.get(model, ())
+
+
+def is_wrapped(model: object) -> bool:
+    """Whether ``model`` is a model :class:`OOOModule` wrapped (and has not unwrapped)."""
+    return isinstance(model, nn.Module) and model in _wrapped
+
+
+def plan_pending(model: nn.Module) -> bool:
+    """Whether ``model`` is wrapped and its plan is still to be learned: it carries the
+    learner's two root hooks and no stage hook yet."""
+    state = _wrapped.get(model)
+    return state is not None and state.learner is not None
+
+
+def stage_of(module: object) -> tuple[nn.Module, str] | None:
+    """The wrapped model and stage name if ``module`` is a stage with the wrapper's hooks."""
+    for model, state in list(_wrapped.items()):
+        if state.scheduler is None:
+            continue  # no stage hooks yet (plan to be learned) or none at all
+        for stage in state.plan.stages:
+            if model.get_submodule(stage.name) is module:
+                return model, stage.name
+    return None
+
+
+@contextlib.contextmanager
+def root_hooks_lifted(model: nn.Module) -> Iterator[None]:
+    """Take the wrapper's hooks off ``model`` itself for the block; its stages keep theirs.
+
+    Afterwards, even if the block raised, they are put back exactly: the same handles
+    (``unwrap`` still removes them) at the same places in the hook order. Hooks that others
+    added or removed meanwhile stay as they are then. A no-op on a model not wrapped.
+    """
+    state = _wrapped.get(model)
+    if state is None:
+        yield
+        return
+    dicts = forward_hook_dicts(model)
+    before = [dict(hooks) for hooks in dicts]
+    # Handle ids are unique in the process: a handle whose id is in the root's own dicts
+    # holds a root hook (the scheduler's or the learner's pair).
+    root = [handle for handle in state.handles if any(handle.id in hooks for hooks in dicts)]
+    lifted = {handle.id for handle in root}
+    try:
+        for handle in root:
+            handle.remove()
+        yield
+    finally:
+        for hooks, saved in zip(dicts, before, strict=True):
+            kept = [
+                (key, saved[key] if key in lifted else hooks[key])
+                for key in saved
+                if key in lifted or key in hooks
+            ]
+            added = [(key, hook) for key, hook in hooks.items() if key not in saved]
+            hooks.clear()
+            hooks.update(kept + added)
+
+
+def mark_graphed(model: nn.Module) -> None:
+    """Tell the scheduler of ``model`` (if any) that its forwards replay a CUDA graph now,
+    so forwards that call no stage are expected (see ``Scheduler.stages_replay_in_a_graph``)."""
+    state = _wrapped.get(model)
+    if state is not None and state.scheduler is not None:
+        state.scheduler.stages_replay_in_a_graph()
 
 
 def record_fallback(model: nn.Module, reason: str, *, warn: bool = False) -> nn.Module:

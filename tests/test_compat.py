@@ -107,3 +107,53 @@ def test_private_names_missing_from_torch_mean_no_match(monkeypatch: pytest.Monk
     )
     assert _compat.is_compiled_module(Optimized()) is True
     assert _compat.is_checkpoint_early_stop(Stop()) is True
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_the_stale_capture_stream_override_is_set_for_the_block_only(before: bool) -> None:
+    if not hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):
+        pytest.skip("this torch has no stale capture stream override")
+    torch.autograd.graph.set_override_stale_capture_stream(before)
+    try:
+        with _compat.stale_capture_streams_overridden() as overridden:
+            assert overridden is True
+            assert torch._C._override_stale_capture_stream() is True
+        assert torch._C._override_stale_capture_stream() is before
+        with pytest.raises(KeyError), _compat.stale_capture_streams_overridden():
+            raise KeyError("inside")
+        assert torch._C._override_stale_capture_stream() is before
+    finally:
+        torch.autograd.graph.set_override_stale_capture_stream(False)  # the process default
+
+
+@pytest.mark.parametrize("hidden", ["setter", "getter"])
+def test_without_the_stale_capture_stream_override_nothing_changes(
+    hidden: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch 2.11 has neither; a torch with one half only is treated alike.
+    calls: list[bool] = []
+    monkeypatch.setattr(
+        torch.autograd.graph, "set_override_stale_capture_stream", calls.append, raising=False
+    )
+    monkeypatch.setattr(torch._C, "_override_stale_capture_stream", lambda: False, raising=False)
+    owner = torch.autograd.graph if hidden == "setter" else torch._C
+    name = (
+        "set_override_stale_capture_stream"
+        if hidden == "setter"
+        else "_override_stale_capture_stream"
+    )
+    monkeypatch.delattr(owner, name)
+    with _compat.stale_capture_streams_overridden() as overridden:
+        assert overridden is False
+    assert calls == []
+
+
+def test_forward_hook_dicts_are_the_ones_registration_fills() -> None:
+    module = torch.nn.Linear(2, 2)
+    pre = module.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True)
+    post = module.register_forward_hook(lambda m, a, o: None, always_call=True)
+    dicts = _compat.forward_hook_dicts(module)
+    assert [sorted(d) for d in dicts] == [[pre.id], [pre.id], [post.id], [], [post.id]]
+    pre.remove()
+    post.remove()
+    assert all(not d for d in dicts)

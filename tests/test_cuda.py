@@ -1,5 +1,5 @@
-"""On a CUDA GPU: parity wrapped vs plain, streams really used, fallbacks, graph capture,
-allocator reuse, the benchmark path.
+"""On a CUDA GPU: parity wrapped vs plain, streams really used, fallbacks, graph capture
+and the graph recipes, allocator reuse, the benchmark path.
 
 Every test here is marked ``cuda`` and skipped on a machine without one (see conftest);
 ``scripts/gpu_check.sh`` runs this file first, on its own, and fails if its tests were
@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -508,3 +509,124 @@ def test_a_dropped_stage_output_is_not_reused_while_the_caller_still_reads_it(
         # overwritten before the caller's read.
         assert reused, "the allocator did not reuse the block: this test shows nothing"
         assert not correct, "the dropped output was reused, yet the caller read it intact"
+
+
+# --- the CUDA graph recipes: ooo_wrap.graphed_step, ooo_wrap.make_graphed_callables ------
+
+GRAPH_REPLAYS = 100
+# float32 over a hundred optimizer steps: the same kernels on both sides, but each side
+# stream has its own cuBLAS workspace, which may pick another algorithm, and Adam turns a
+# last-bit difference in a near-zero gradient into a step of up to the learning rate. A
+# missing join or a stale input reads garbage, far outside this.
+GRAPH_REL_TOL = 1e-3
+
+
+def _graph_batches(count: int) -> list[Batch]:
+    generator = torch.Generator(device=DEVICE).manual_seed(1)
+    return [
+        (
+            torch.randn(32, quickstart.IN_FEATURES, device=DEVICE, generator=generator),
+            torch.randint(0, quickstart.CLASSES, (32,), device=DEVICE, generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
+def _adam_step(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    # capturable=True: Adam keeps its step count on the device, as a captured step needs.
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def _stages_ran_on_side_streams_in_capture(model: nn.Module) -> None:
+    """No stage call of the model ran inline: none bypassed (``graph_capture`` or other)."""
+    bypassed = [e for e in ooo_wrap.events_for(model) if e.kind is ooo_wrap.EventKind.BYPASSED]
+    assert bypassed == [], bypassed
+    stats = model.stats
+    assert stats.bypasses == 0 and stats.failures == 0, stats
+
+
+def _assert_parameters_close(plain: nn.Module, model: nn.Module, steps: int) -> None:
+    for (name, p), (_, w) in zip(plain.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.isfinite(w).all(), name
+        assert _rel_err(w, p) <= GRAPH_REL_TOL, f"{name} after {steps} steps"
+
+
+def test_graphed_step_of_a_wrapped_model_matches_eager_steps_of_the_plain_one() -> None:
+    plain = quickstart.build_model().to(DEVICE)
+    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4)  # the dataflow planner
+    assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
+    sample, *batches = _graph_batches(1 + GRAPH_REPLAYS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = ooo_wrap.graphed_step(_adam_step(model), *sample, warmup=3)
+    assert graphed.captured and graphed.reason == "captured", graphed.message
+    assert graphed.graph is not None and len(graphed.static_args) == 2
+    stream_warnings = [
+        str(w.message)
+        for w in caught
+        if "AccumulateGrad" in str(w.message) or "stale" in str(w.message)
+    ]
+    assert stream_warnings == []  # the warm-up left no accumulator on a stale stream
+    stages = len(model.plan.stages)
+    assert stages >= 2, model.plan
+    # Warm-up step 1 learned the plan inline; steps 2 and 3 and the capture forked every
+    # stage onto its side stream.
+    assert model.stats.stage_calls == 3 * stages, model.stats
+    _stages_ran_on_side_streams_in_capture(model)
+
+    eager = _adam_step(plain)
+    expected = [eager(*sample) for _ in range(3)]  # the warm-up steps are real steps
+    expected += [eager(*batch) for batch in batches]
+    losses = [graphed(*batch).clone() for batch in batches]  # the output is rewritten
+    torch.cuda.synchronize()
+    assert model.stats.stage_calls == 3 * stages  # a replay runs no hook
+    for replay, (loss, want) in enumerate(zip(losses, expected[3:], strict=True)):
+        assert torch.isfinite(loss), f"replay {replay}"
+        assert _rel_err(loss, want) <= GRAPH_REL_TOL, f"loss of replay {replay}"
+    _assert_parameters_close(plain, model, 3 + GRAPH_REPLAYS)
+
+
+def test_make_graphed_callables_takes_a_wrapped_model_and_runs_its_stages_on_side_streams() -> None:
+    plain = quickstart.build_model().to(DEVICE)
+    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4)  # the dataflow planner
+    assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
+    (x, _), *batches = _graph_batches(1 + GRAPH_REPLAYS)
+    with pytest.raises(AssertionError, match="Modules must not have hooks registered"):
+        torch.cuda.make_graphed_callables(model, (x,))  # PyTorch's own function alone
+    graphed = ooo_wrap.make_graphed_callables(model, (x,), num_warmup_iters=3)
+    assert graphed is model  # PyTorch graphs a module's forward in place
+    stages = len(model.plan.stages)
+    assert not model.plan.pending and stages >= 2, model.plan
+    # One eager forward learned the plan (inline), then PyTorch's three warm-up forwards
+    # and its forward capture forked every stage onto its side stream.
+    assert model.stats.stage_calls == 4 * stages, model.stats
+    _stages_ran_on_side_streams_in_capture(model)
+    assert model._forward_pre_hooks and model._forward_hooks  # the root hooks are back
+
+    sides = [(m, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)) for m in (plain, model)]
+    losses: list[list[torch.Tensor]] = [[], []]
+    for x, y in batches:
+        for (m, optimizer), recorded in zip(sides, losses, strict=True):
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            optimizer.step()
+            recorded.append(loss.detach())
+    torch.cuda.synchronize()
+    assert model.stats.stage_calls == 4 * stages  # replays run no stage hook
+    assert model.stats.forwards >= GRAPH_REPLAYS  # the root hooks still count forwards
+    kinds = {e.kind for e in model.events}
+    assert ooo_wrap.EventKind.STAGE_NOT_CALLED not in kinds  # expected of a graphed forward
+    for step, (loss, want) in enumerate(zip(losses[1], losses[0], strict=True)):
+        assert torch.isfinite(loss), f"step {step}"
+        assert _rel_err(loss, want) <= GRAPH_REL_TOL, f"loss of step {step}"
+    _assert_parameters_close(plain, model, GRAPH_REPLAYS)

@@ -198,6 +198,8 @@ def test_every_doc_has_using_with_snippets() -> None:
         "DDP",
         "FSDP2",
         "torch.compile",
+        "Whole-network capture",
+        "Partial-network capture",
         "Activation checkpointing",
         "AMP (autocast and GradScaler)",
         "The PyTorch profiler",

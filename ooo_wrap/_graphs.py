@@ -1,0 +1,409 @@
+"""CUDA graph recipes: a whole training step captured once (:func:`graphed_step`), and
+PyTorch's partial-network capture of wrapped models (:func:`make_graphed_callables`).
+
+Under capture a wrapped model's stages fork onto their side streams and join back as in
+eager mode, so the graph records the same multi-stream schedule and every replay runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from ._compat import stale_capture_streams_overridden
+from ._errors import OOOConfigError, OOOError, positive_int
+from ._tensors import non_tensor_leaves
+from ._wrap import is_wrapped, mark_graphed, plan_pending, root_hooks_lifted, stage_of
+
+__all__ = ["GraphedStep", "graphed_step", "make_graphed_callables"]
+
+logger = logging.getLogger("ooo_wrap")
+
+Reason = Literal["captured", "no_cuda", "not_on_cuda"]
+
+# The dataflow planner runs the first training forward inline to learn the plan; only the
+# second runs the stages on their side streams, as the capture will.
+_MIN_WARMUP = 2
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class _ArgSpec:
+    """What a replay's argument must match: a graph reads fixed addresses and sizes."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _ArgSpec:
+        return cls(tensor.shape, tensor.dtype, tensor.device)
+
+    def __str__(self) -> str:
+        return f"a {self.dtype} tensor of shape {tuple(self.shape)} on {self.device}"
+
+
+class GraphedStep:
+    """A training step captured in a CUDA graph, or run eagerly where it cannot be.
+
+    Made by :func:`graphed_step`; call it with new tensors of the sample args' shapes.
+
+    Attributes:
+        captured: whether the step was captured (calls replay the graph).
+        reason: ``"captured"``, or why not: ``"no_cuda"`` (no CUDA device) or
+            ``"not_on_cuda"`` (the sample args are on another device).
+        message: one sentence saying the same to a person.
+        graph: the ``torch.cuda.CUDAGraph``, or ``None`` when not captured.
+        static_args: the input buffers the graph reads (``()`` when not captured).
+        static_outputs: what ``step_fn`` returned during capture, rewritten by every
+            replay (``None`` when not captured).
+    """
+
+    def __init__(
+        self,
+        step_fn: Callable[..., Any],
+        specs: tuple[_ArgSpec, ...],
+        reason: Reason,
+        message: str,
+        graph: torch.cuda.CUDAGraph | None = None,
+        static_args: tuple[torch.Tensor, ...] = (),
+        static_outputs: Any = None,
+    ) -> None:
+        self.captured = graph is not None
+        self.reason: Reason = reason
+        self.message = message
+        self.graph = graph
+        self.static_args = static_args
+        self.static_outputs = static_outputs
+        self._step_fn = step_fn
+        self._specs = specs
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        """Run one step on ``args``: copy them into the static buffers and replay, returning
+        the static outputs; or, when not captured, ``step_fn(*args)``.
+
+        Raises:
+            OOOConfigError: an argument is missing, extra, not a tensor, or differs from
+                its sample arg in shape, dtype or device (checked on every device, so a
+                script that runs without CUDA runs with it).
+        """
+        self._check(args)
+        if self.graph is None:
+            return self._step_fn(*args)
+        for static, arg in zip(self.static_args, args, strict=True):
+            if arg is not static:
+                static.copy_(arg)  # on the current stream, which the replay is queued on
+        self.graph.replay()
+        return self.static_outputs
+
+    def __repr__(self) -> str:
+        return f"GraphedStep(captured={self.captured}, reason={self.reason!r})"
+
+    def _check(self, args: tuple[Any, ...]) -> None:
+        if len(args) != len(self._specs):
+            raise OOOConfigError(
+                f"the graphed step takes {len(self._specs)} tensor args (as many as its "
+                f"sample args), got {len(args)}; pass the same args in the same order"
+            )
+        for index, (arg, spec) in enumerate(zip(args, self._specs, strict=True)):
+            if not isinstance(arg, torch.Tensor):
+                raise OOOConfigError(
+                    f"arg {index} of the graphed step is a {type(arg).__name__}, not a "
+                    f"tensor; pass {spec}, as the sample arg was"
+                )
+            if _ArgSpec.of(arg) != spec:
+                raise OOOConfigError(
+                    f"arg {index} of the graphed step is {_ArgSpec.of(arg)}, but the step "
+                    f"was made for {spec}: a graph replays fixed shapes, dtypes and "
+                    "devices. Pad the batch to that shape or drop a last partial batch, "
+                    "convert it, or make one graphed_step per shape"
+                )
+
+
+def graphed_step(
+    step_fn: Callable[..., Any], *sample_args: torch.Tensor, warmup: int = 3
+) -> GraphedStep:
+    """Capture a whole training step (forward, loss, backward, ``optimizer.step()``) in a
+    CUDA graph; calls then copy their tensors in and replay it.
+
+    What it does that a hand-written capture often gets wrong: the graph reads static
+    clones of the sample args, so the caller's tensors are never captured; ``warmup``
+    eager steps run first on a side stream that waits on the current stream (lazy
+    initialisation, optimizer state, cuBLAS workspaces, the wrapped models' learned plans
+    and their stage streams all happen outside the capture), and the current stream waits
+    on it afterwards; the warm-up's outputs are dropped before capture, so no autograd
+    graph keeps gradient accumulators bound to warm-up streams; where this torch has
+    ``torch.autograd.graph.set_override_stale_capture_stream``, it is on for the capture
+    only, and put back as it was. Without CUDA (or for sample args not on CUDA) nothing
+    is captured: the warm-up steps and every call run ``step_fn`` eagerly, with the eager
+    results, and ``reason`` says why (also logged at INFO on the ``ooo_wrap`` logger).
+
+    The warm-up steps are real training steps on the sample args, on every device, so a
+    run without CUDA takes the same steps. ``step_fn`` should start with
+    ``optimizer.zero_grad(set_to_none=True)`` (gradients are then allocated inside the
+    capture and rewritten by each replay); Adam and AdamW need ``capturable=True``. The
+    outputs of a replay are the same tensors each time: read or clone them before the
+    next call.
+
+    Args:
+        step_fn: the step; called as ``step_fn(*args)``, returns a tensor or a nest of
+            tensors (tuples, lists, dicts; ``None`` allowed), e.g. the loss.
+        *sample_args: the step's input tensors, as every call will pass them (same
+            shapes, dtypes, devices); at least one.
+        warmup: eager steps before capture, at least 2.
+
+    Returns:
+        A :class:`GraphedStep`: ``graphed(*args)`` runs one step and returns its outputs;
+        ``.captured``, ``.reason`` and ``.message`` say whether it replays a graph.
+
+    Raises:
+        OOOConfigError: ``step_fn`` is not callable, ``warmup`` is not an int of at least
+            2, there are no sample args, one is not a tensor, they span several devices,
+            or ``step_fn`` returned something other than tensors.
+        OOOError: the capture failed (the original error is its ``__cause__``): most
+            often a host sync inside the step (``.item()``, ``nonzero``, a data-dependent
+            shape) or an optimizer without ``capturable=True``.
+
+    Example::
+
+        >>> def step(x, y):
+        ...     optimizer.zero_grad(set_to_none=True)
+        ...     loss = F.cross_entropy(model(x), y)
+        ...     loss.backward()
+        ...     optimizer.step()
+        ...     return loss
+        >>> graphed = ooo_wrap.graphed_step(step, x0, y0)
+        >>> for x, y in batches:
+        ...     loss = graphed(x, y)
+    """
+    if not callable(step_fn):
+        raise OOOConfigError(
+            f"graphed_step's step_fn must be callable, got {type(step_fn).__name__}; "
+            "pass the step function first: graphed_step(step, x, y)"
+        )
+    warmup = _check_warmup(warmup)
+    specs = _sample_specs(sample_args)
+    device = specs[0].device
+    if not torch.cuda.is_available():
+        reason: Reason = "no_cuda"
+        message = (
+            "no CUDA device: not captured; the warm-up steps and every call run the step eagerly"
+        )
+    elif device.type != "cuda":
+        reason = "not_on_cuda"
+        message = (
+            f"the sample args are on {device}, not a CUDA device: not captured; the warm-up "
+            "steps and every call run the step eagerly (move the inputs and the model to "
+            "CUDA to capture)"
+        )
+    else:
+        return _capture(step_fn, sample_args, specs, warmup, device)
+    logger.info("ooo_wrap.graphed_step: %s (%s)", message, reason)
+    for step in range(warmup):
+        outputs = step_fn(*sample_args)
+        if step == 0:
+            _check_outputs(outputs)
+    return GraphedStep(step_fn, specs, reason, message)
+
+
+def _check_warmup(warmup: object) -> int:
+    count = positive_int(warmup, "graphed_step's warmup", " of at least 2")
+    if count < _MIN_WARMUP:
+        raise OOOConfigError(
+            f"graphed_step's warmup must be at least {_MIN_WARMUP}, got {count}: a wrapped "
+            "model (default dataflow planner) learns its plan on its first training "
+            "forward, which runs inline, so only the second runs its stages on their side "
+            "streams as the capture will, and sets up those streams' cuBLAS workspaces "
+            f"outside the capture; pass warmup={_MIN_WARMUP} or more (the default is 3)"
+        )
+    return count
+
+
+def _sample_specs(sample_args: tuple[Any, ...]) -> tuple[_ArgSpec, ...]:
+    if not sample_args:
+        raise OOOConfigError(
+            "graphed_step needs the step's input tensors as sample args, e.g. "
+            "graphed_step(step, x, y): the graph reads copies of them"
+        )
+    for index, arg in enumerate(sample_args):
+        if not isinstance(arg, torch.Tensor):
+            raise OOOConfigError(
+                f"sample arg {index} of graphed_step is a {type(arg).__name__}, not a "
+                "tensor: a graph replays tensor inputs copied into static buffers. Pass "
+                "tensors only, and bind other arguments with functools.partial or a closure"
+            )
+    specs = tuple(_ArgSpec.of(arg) for arg in sample_args)
+    devices = list(dict.fromkeys(spec.device for spec in specs))
+    if len(devices) > 1:
+        raise OOOConfigError(
+            f"graphed_step's sample args span several devices ({', '.join(map(str, devices))}): "
+            "a graph replays the work of one device; move every input to the model's device"
+        )
+    return specs
+
+
+def _check_outputs(outputs: Any) -> None:
+    others = non_tensor_leaves(outputs, "output")
+    if others:
+        raise OOOConfigError(
+            f"graphed_step's step_fn returned values that are not tensors: {', '.join(others)}; "
+            "a replay returns the tensors the capture made, rewritten in place, so return "
+            "tensors only (a Python number read from a tensor is a host sync, which a graph "
+            "cannot capture)"
+        )
+
+
+def _capture(
+    step_fn: Callable[..., Any],
+    sample_args: tuple[torch.Tensor, ...],
+    specs: tuple[_ArgSpec, ...],
+    warmup: int,
+    device: torch.device,
+) -> GraphedStep:
+    with torch.cuda.device(device):
+        static_args = tuple(_static_copy(arg) for arg in sample_args)
+        ambient = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        # 1. The warm-up stream waits on ambient, where the clones were queued.
+        side.wait_stream(ambient)
+        with torch.cuda.stream(side):
+            for step in range(warmup):
+                outputs = step_fn(*static_args)
+                if step == 0:
+                    _check_outputs(outputs)
+                # A kept output (the loss) keeps its autograd graph alive, and with it
+                # gradient accumulators bound to warm-up streams, stale under capture.
+                del outputs
+        # 2. Ambient, and so the capture (torch.cuda.graph synchronizes first), runs after
+        # the warm-up's updates to parameters and optimizer state.
+        ambient.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with stale_capture_streams_overridden(), torch.cuda.graph(graph):
+                static_outputs = step_fn(*static_args)
+        except Exception as error:
+            raise OOOError(
+                f"capturing the step in a CUDA graph failed ({type(error).__name__}: "
+                f"{error}). A captured step must not sync with the host: no .item(), "
+                ".tolist(), print of a tensor, nonzero() or boolean-mask indexing, no "
+                "data-dependent shape (an MoE that routes so cannot be captured); Adam and "
+                "AdamW need capturable=True"
+            ) from error
+    logger.info(
+        "ooo_wrap.graphed_step: captured the step in a CUDA graph on %s after %d warm-up steps",
+        device,
+        warmup,
+    )
+    return GraphedStep(
+        step_fn,
+        specs,
+        "captured",
+        f"captured in a CUDA graph on {device}; each call copies its args in and replays",
+        graph,
+        static_args,
+        static_outputs,
+    )
+
+
+def _static_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A buffer of the sample arg's own: the caller may free or reuse theirs."""
+    copy = tensor.detach().clone()
+    return copy.requires_grad_() if tensor.requires_grad else copy
+
+
+def make_graphed_callables(callables: _T, sample_args: tuple[Any, ...], **kwargs: Any) -> _T:
+    """``torch.cuda.make_graphed_callables`` for wrapped models too; same arguments.
+
+    PyTorch's function refuses any module with forward hooks, and a wrapped model has
+    two on its root. For each wrapped model among ``callables`` this takes the root hooks
+    off for the duration of PyTorch's call and puts them back afterwards, exactly (same
+    handles, same order), also when the call raises. PyTorch's warm-up and captures then
+    run the stages' own hooks, which fork and join each stage call without a root call,
+    so the graphs run the stages on their side streams. It also adds: a model whose plan
+    is still to be learned (``dataflow`` planner, no training forward yet) first runs one
+    eager forward on its sample args, on a side stream, so that its stages exist before
+    the warm-up; the scheduler then expects graphed forwards to call no stage (no
+    ``STAGE_NOT_CALLED`` events); without CUDA the callables are returned unchanged and
+    an INFO log says so, so the same script runs without a GPU.
+
+    Args:
+        callables: a module or function, or a tuple of them, as PyTorch takes them.
+        sample_args: a tuple of tensors, or one such tuple per callable.
+        **kwargs: PyTorch's other arguments (``num_warmup_iters``,
+            ``allow_unused_input``, ``pool``), passed on.
+
+    Returns:
+        What PyTorch returns (graphed callables; a module comes back with its forward
+        graphed), or ``callables`` unchanged without CUDA.
+
+    Raises:
+        OOOConfigError: a callable is a stage of a wrapped model (its hooks are the
+            wrapper's: pass the model, or unwrap it first).
+        Exception: whatever PyTorch raises (the wrapper's hooks are back on the models by
+            then), e.g. ``AssertionError`` for hooks of the caller's own on a module.
+
+    Example::
+
+        >>> model = ooo_wrap.OOOModule(model.cuda(), streams=4)
+        >>> model = ooo_wrap.make_graphed_callables(model, (x,))
+        >>> model(x).sum().backward()  # replays the forward graph, then the backward one
+    """
+    several = isinstance(callables, tuple)
+    items: tuple[Any, ...] = callables if isinstance(callables, tuple) else (callables,)
+    samples: tuple[Any, ...] = sample_args if several else (sample_args,)
+    _refuse_stages(items)  # with CUDA or not: a script that runs here runs on a GPU
+    if not torch.cuda.is_available():
+        logger.info(
+            "ooo_wrap.make_graphed_callables: no CUDA device; the callables are returned "
+            "unchanged and run eagerly"
+        )
+        return callables
+    models = list({id(item): item for item in items if is_wrapped(item)}.values())
+    for item, args in zip(items, samples, strict=False):
+        if is_wrapped(item) and plan_pending(item):
+            _learn_plan(item, args)
+    with contextlib.ExitStack() as lifted:
+        for model in models:
+            lifted.enter_context(root_hooks_lifted(model))
+        # Typed by torch for modules, functions and tuples of them; _T is one of those.
+        make: Any = torch.cuda.make_graphed_callables
+        graphed: _T = make(callables, sample_args, **kwargs)
+    for model in models:
+        mark_graphed(model)
+    return graphed
+
+
+def _refuse_stages(items: tuple[Any, ...]) -> None:
+    """A stage passed alone carries the wrapper's hooks, which PyTorch refuses; say what
+    to pass instead before PyTorch's less specific assertion does."""
+    for index, item in enumerate(items):
+        owner = stage_of(item)
+        if owner is not None:
+            model, name = owner
+            raise OOOConfigError(
+                f"callable {index} passed to make_graphed_callables is stage {name!r} of a "
+                f"wrapped {type(model).__name__}, and its hooks are the wrapper's; pass the "
+                "wrapped model itself, or ooo_wrap.unwrap(model) first to graph its parts"
+            )
+
+
+def _learn_plan(model: torch.nn.Module, args: tuple[Any, ...]) -> None:
+    """One eager training forward, so the dataflow planner learns the plan (and installs
+    the stages' hooks) before PyTorch's warm-up; on a side stream, as PyTorch warms up."""
+    torch.cuda.synchronize()
+    with torch.enable_grad(), torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]
+        model(*args)
+    torch.cuda.synchronize()
+    if plan_pending(model):
+        logger.info(
+            "ooo_wrap.make_graphed_callables: the plan of this %s is still to be learned "
+            "(its forward did not count as a training forward): its stages run inline in "
+            "the graphs",
+            type(model).__name__,
+        )
