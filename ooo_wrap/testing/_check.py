@@ -200,8 +200,11 @@ def _train(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         for step in range(steps):
-            captured = found is not None and capture and step == steps - 1
-            with found.backend.capturing() if captured else contextlib.nullcontext():
+            captured = capture and step == steps - 1
+            graph: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if found is not None and captured:
+                graph = found.backend.capturing()
+            with graph:
                 output = model(*inputs)
                 loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
                 torch.autograd.backward(loss)

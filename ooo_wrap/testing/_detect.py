@@ -204,12 +204,12 @@ class Detection:
                     f"a graph capture is already underway on {self.capture.origin}; end it "
                     "before beginning another"
                 )
-            self._engine.flush()
+            # No engine flush here: it reads grad_fn, a touch that would join what
+            # overlap_forward left pending, which the capture must not change.
             self.capture = SimulatedCapture(self.tracker, self.stream_now())
 
     def _end_capture(self) -> None:
         with self._lock:
-            self._engine.flush()
             capture, self.capture = self.capture, None
             if capture is not None:
                 capture.end()
