@@ -31,15 +31,18 @@ what it means in a replay.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from .._errors import OOOError
 from ._ops import HOST_SYNC_OPS
 from ._simulated import VirtualStream
 from ._tracker import Clock, StreamTracker
 
-__all__ = ["CaptureError", "SimulatedCapture"]
+__all__ = ["CaptureError", "CaptureHost", "SimulatedCapture", "simulated_capture"]
 
 _ids = itertools.count(1)
 
@@ -129,3 +132,34 @@ class SimulatedCapture:
                 "(CUDA: cudaErrorStreamCaptureUnjoined). Join every side stream back "
                 "before the capture ends"
             )
+
+
+class CaptureHost(Protocol):
+    """What a simulated capture needs from the detection it runs in (``_detect.Detection``,
+    which imports this module: a protocol keeps the import one-way)."""
+
+    tracker: StreamTracker
+    capture: SimulatedCapture | None
+    captures: int
+
+    def stream_now(self) -> VirtualStream:
+        """The calling thread's current virtual stream."""
+        ...
+
+
+@contextlib.contextmanager
+def simulated_capture(host: CaptureHost) -> Iterator[None]:
+    """A capture begun on the current stream for the block; its end is checked unless the
+    block raised (the error raised inside says what went wrong)."""
+    if host.capture is not None:
+        raise CaptureError(
+            f"a graph capture is already underway on {host.capture.origin}; end it before "
+            "beginning another"
+        )
+    host.capture = capture = SimulatedCapture(host.tracker, host.stream_now())
+    try:
+        yield
+    finally:
+        host.capture = None
+    capture.end()
+    host.captures += 1

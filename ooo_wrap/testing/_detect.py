@@ -19,7 +19,7 @@ from torch import nn
 from .._cost import estimate_op
 from .._intercept import OpInterceptor, intercept_new_threads
 from .._tensors import tensors_in
-from ._capture import CaptureError, SimulatedCapture
+from ._capture import SimulatedCapture, simulated_capture
 from ._engine import EngineModel
 from ._ops import TensorUse, is_view_only, storage_key, tensor_uses, written_keys
 from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
@@ -105,14 +105,8 @@ class DetectingBackend(SimulatedBackend):
             with super().capturing():
                 yield
             return
-        detection._begin_capture()
-        with super().capturing():
-            try:
-                yield
-            except BaseException:
-                detection.capture = None  # the error raised inside says what went wrong
-                raise
-            detection._end_capture()
+        with super().capturing(), simulated_capture(detection):
+            yield
 
 
 class Detection:
@@ -196,24 +190,6 @@ class Detection:
     def _pop_stage(self) -> None:
         if self._stages:
             self._stages.pop()
-
-    def _begin_capture(self) -> None:
-        with self._lock:
-            if self.capture is not None:
-                raise CaptureError(
-                    f"a graph capture is already underway on {self.capture.origin}; end it "
-                    "before beginning another"
-                )
-            # No engine flush here: it reads grad_fn, a touch that would join what
-            # overlap_forward left pending, which the capture must not change.
-            self.capture = SimulatedCapture(self.tracker, self.stream_now())
-
-    def _end_capture(self) -> None:
-        with self._lock:
-            capture, self.capture = self.capture, None
-            if capture is not None:
-                capture.end()
-                self.captures += 1
 
     # --- EngineHost -----------------------------------------------------------------
 
