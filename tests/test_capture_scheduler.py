@@ -24,6 +24,7 @@ from ooo_wrap.testing import (
     DetectingBackend,
     Detection,
     OpRecord,
+    VirtualStream,
     check,
     detect,
 )
@@ -123,6 +124,10 @@ def om_loss(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 def test_a_forward_captured_alone_rejoins_every_stream(overlap_forward: bool) -> None:
     found = _capture_forward(om.TowersReturned(), overlap_forward=overlap_forward)
     assert found.ok and found.captures == 1
+    origin = found.tracker.snapshot(VirtualStream(0))
+    for side in (VirtualStream(1), VirtualStream(2)):
+        last = found.tracker.snapshot(side)[side]
+        assert last > 0 and origin[side] >= last  # its last op is covered: rejoined
 
 
 def test_without_the_joins_a_captured_forward_ends_unjoined(
