@@ -393,10 +393,11 @@ class Scheduler:
         # insert_events_deferred_until_no_capture(), called from process_events() and
         # synchronize_and_free_events() once no capture is underway, inserts its events
         # (less the streams recorded during the capture, which must have rejoined) and
-        # frees it. So the block is never reused inside the capture. Without the mark it
-        # would be, on ambient while s still reads it: a graph is a fixed schedule, so
-        # that race would happen in every replay. The cost: such blocks stay held in the
-        # graph's private pool until the capture ends instead of being reused within it.
+        # frees it. So the block is never reused inside the capture. Without
+        # record_stream it would be, on ambient while s still reads it: a graph is a
+        # fixed schedule, so that race would happen in every replay. The cost: such
+        # blocks stay held in the graph's private pool until the capture ends instead of
+        # being reused within it.
         unseen = local.unseen
         inputs = tensors_in(args, unseen)
         if kwargs:

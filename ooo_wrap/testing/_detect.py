@@ -115,6 +115,8 @@ class Detection:
     Attributes:
         backend: the backend whose virtual streams the block runs on.
         tracker: the happens-before bookkeeping (vector clocks, per-storage history).
+        capture: the simulated graph capture underway (``backend.capturing()``), if any.
+        captures: how many simulated captures ended with their rules kept.
     """
 
     def __init__(self, backend: DetectingBackend) -> None:
