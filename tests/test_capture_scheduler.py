@@ -245,6 +245,7 @@ def test_a_whole_training_step_captured_at_once() -> None:
     assert found.ok and found.captures == 1, (found.races, found.allocator_hazards)
     side = _side_ops(_captured(found, start))
     assert {("side1", "forward"), ("side1", "backward"), ("side2", "backward")} <= side
+    assert not [e for e in model.events if e.kind is EventKind.BYPASSED]
     for _ in range(2):
         reference.zero_grad(set_to_none=True)
         left, right = plain(x)

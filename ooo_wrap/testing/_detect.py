@@ -357,7 +357,8 @@ def detect(
 
 
 def host_read(tensor: torch.Tensor) -> torch.Tensor:
-    """Model the host reading ``tensor`` (``.cpu()``, ``.numpy()``, ``.tolist()``).
+    """Model the host reading ``tensor`` (``.cpu()``, ``.numpy()``, ``.tolist()``, or a
+    synchronize before reading it); inside a simulated graph capture it is refused.
 
     The copy runs on the current stream, so the read must be ordered after every write.
     ``.item()`` needs no helper: the detector sees its op. Outside :func:`detect` this
