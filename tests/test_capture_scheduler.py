@@ -109,13 +109,13 @@ def _capture_forward(model: nn.Module, *, overlap_forward: bool = False) -> Dete
     )
     x = om.inputs()
     with detect(backend, keep_alive=[wrapped]) as found:
-        om_loss(wrapped(x)).backward()
+        _loss_of(wrapped(x)).backward()
         with backend.capturing():
             wrapped(x)
     return found
 
 
-def om_loss(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _loss_of(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     outputs = output if isinstance(output, tuple) else (output,)
     return torch.stack([t.sum() for t in outputs]).sum()
 
