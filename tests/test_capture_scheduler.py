@@ -130,6 +130,26 @@ def test_a_forward_captured_alone_rejoins_every_stream(overlap_forward: bool) ->
         assert last > 0 and origin[side] >= last  # its last op is covered: rejoined
 
 
+def test_a_no_grad_forward_with_overlap_forward_is_captured_on_side_streams() -> None:
+    # The shape of the cuda-marked capture test: inference keeps its side streams with
+    # overlap_forward, and the root join finishes the pending joins inside the capture.
+    torch.manual_seed(0)
+    plain = om.TowersSum()
+    backend = DetectingBackend()
+    model = OOOModule(
+        copy.deepcopy(plain), 4, backend=backend, planner="static", overlap_forward=True
+    )
+    x = om.inputs()
+    with detect(backend, keep_alive=[model]) as found, torch.no_grad():
+        model(x)  # warm-up
+        start = len(found.ops)
+        with backend.capturing():
+            out = model(x)
+    assert found.ok and found.captures == 1
+    assert ("side1", "forward") in _side_ops(_captured(found, start))
+    assert torch.equal(out, plain(x))
+
+
 def test_without_the_joins_a_captured_forward_ends_unjoined(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
