@@ -23,7 +23,7 @@ class ProfiledScheduler(Scheduler):
     The range opens in the pre-hook after the switch to the stage's stream and closes in
     the post-hook (which always runs) after the join, so it holds the stage's forward and
     the scheduler's own work for it, and stays properly nested even when the stage raises.
-    Bypassed calls (``ooo_wrap.disabled()``, graph capture, tracing) get their range too:
+    Bypassed calls (``ooo_wrap.disabled()``, ``no_grad``, tracing) get their range too:
     it names the stage, whichever stream ran it. Under ``torch.compile`` the hooks do
     nothing, so there is no range.
     """

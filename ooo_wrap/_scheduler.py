@@ -18,6 +18,12 @@ For one stage call, with ``ambient`` the caller's current stream and ``s`` the s
 5. Root post-hook: the current stream waits on every stage stream used in the call,
    before the output (and the loss) reaches the host.
 
+Under CUDA graph capture on the caller's stream the same steps are what the capture
+needs, so nothing changes: step 1's event, recorded on the capturing stream and waited
+on by ``s``, pulls ``s`` into the capture; step 4's wait brings it back, and step 5 makes
+every side stream used rejoin before the caller can end the capture. The events are
+re-recorded on every call, so no wait ever crosses the capture's boundary.
+
 With ``overlap_forward`` the wait of step 4 is left pending until something touches the
 stage's results, and step 1 also waits on the pending joins of the stages whose outputs
 the call receives (``_deferred.py``); the hooks are then wrapped so that their own reads
@@ -60,8 +66,6 @@ _BYPASS_MESSAGES = {
     "compiled path wins). Compiled calls are not counted (a count kept inside compiled code "
     "would make it recompile every call), so this event is recorded once and stats leave "
     "them out",
-    "graph_capture": "the current stream is capturing a graph: stages run inline "
-    "(this scheduler does not switch streams inside a capture)",
     "tracing": "running under torch.jit.trace: stages run inline",
     "disabled": "inside ooo_wrap.disabled(): stages run inline on the caller's stream",
     "no_grad": "gradients are off (torch.no_grad or torch.inference_mode): there is no "
@@ -369,11 +373,6 @@ class Scheduler:
         else:
             reason = _eager_bypass_reason()
         backend = self._backend
-        ambient = None
-        if reason is None:
-            ambient = backend.current_stream(stage.device)
-            if backend.is_capturing(ambient):
-                reason, ambient = "graph_capture", None
         if reason is not None:
             if self.overlap_forward:
                 _deferred.join_from(len(frames))  # it runs on the caller's stream
@@ -392,9 +391,22 @@ class Scheduler:
         ):
             stage = stage.twin  # share the stream whose cached weight copy it will read
         stream = stage.stream
+        ambient = backend.current_stream(stage.device)
         # 2. Inputs: s may read them in backward; keep their blocks from ambient's reuse.
         # Before the fork event: older CUDA Stream Sanitizers count record_stream as a
         # write on the current stream, which the event must then cover.
+        # 2b. Kept under graph capture (and needed there). PyTorch's caching allocator
+        # (c10/cuda/CUDACachingAllocator.cpp, as read at pytorch/pytorch 001074d):
+        # free() of a block with stream uses while any capture is underway pushes it on
+        # needs_events_deferred_until_no_capture instead of freeing it; only
+        # insert_events_deferred_until_no_capture(), called from process_events() and
+        # synchronize_and_free_events() once no capture is underway, inserts its events
+        # (less the streams recorded during the capture, which must have rejoined) and
+        # frees it. So the block is never reused inside the capture. Without
+        # record_stream it would be, on ambient while s still reads it: a graph is a
+        # fixed schedule, so that race would happen in every replay. The cost: such
+        # blocks stay held in the graph's private pool until the capture ends instead of
+        # being reused within it.
         unseen = local.unseen
         inputs = tensors_in(args, unseen)
         if kwargs:

@@ -163,3 +163,23 @@ def test_the_report_notes_a_torch_outside_the_checked_range(
         assert f"note: torch {version} is installed" in str(report)
     else:
         assert notes == []
+
+
+def test_results_of_autograd_grad_are_ordered_before_the_caller_reads_them() -> None:
+    """``torch.autograd.grad`` runs no AccumulateGrad: the engine captures the gradient
+    there and syncs the caller with that node's stream, as with a leaf stream."""
+    with detect() as found:
+        b = found.backend
+        main, side = b.current_stream(CPU), b.new_stream(CPU)
+        w = torch.ones(4, requires_grad=True)
+        found.keep_alive(w)
+        b.wait_event(side, b.record_event(main))
+        b.set_stream(side)
+        y = w * 2  # w's AccumulateGrad and MulBackward are made on side
+        b.set_stream(main)
+        b.record_stream(y, main)
+        b.wait_event(main, b.record_event(side))
+        (grad,) = torch.autograd.grad(y.sum(), [w])
+        found.keep_alive(grad)  # a gradient kept, as .grad is
+        host_read(grad)
+    assert found.ok, (found.races, found.allocator_hazards)

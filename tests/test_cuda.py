@@ -394,30 +394,44 @@ class _NoCaptureQuery:
 
 
 @pytest.mark.parametrize("stream_api", ["as installed", "without Stream.is_capturing"])
-def test_graph_capture_of_a_wrapped_forward_runs_the_stages_inline(
-    stream_api: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if stream_api != "as installed":
-        # Hide the newer API, as torch 2.11 does not have it: the CUDA-only query answers.
-        def old_query(self: AcceleratorBackend, stream: torch.Stream) -> bool:
-            return _compat.stream_is_capturing(_NoCaptureQuery(stream))
+def test_a_real_capture_is_detected(stream_api: str) -> None:
+    # What keeps the dataflow planner from learning inside a capture; on torch 2.11 the
+    # CUDA-only query answers.
+    static = torch.ones(4, device=DEVICE)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stream = torch.accelerator.current_stream(DEVICE)
+        query = stream if stream_api == "as installed" else _NoCaptureQuery(stream)
+        capturing = _compat.stream_is_capturing(query)
+        static.add_(1)
+    assert capturing
+    assert not _compat.stream_is_capturing(torch.accelerator.current_stream(DEVICE))
 
-        monkeypatch.setattr(AcceleratorBackend, "is_capturing", old_query)
+
+def test_graph_capture_of_a_wrapped_forward_forks_onto_side_streams() -> None:
+    # A no_grad forward with overlap_forward keeps its side streams; under capture the
+    # stages fork and join exactly as in eager (they used to run inline there), and the
+    # root join brings every side stream back before the capture ends.
     plain = quickstart.build_model().to(DEVICE)
-    model = _wrap_copy(plain)
+    model = ooo_wrap.OOOModule(
+        copy.deepcopy(plain), streams=4, planner="static", overlap_forward=True
+    )
+    assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
     static_x = quickstart.example_input(8).to(DEVICE)
     warmup = torch.cuda.Stream(DEVICE)  # capture wants lazy initialisation done elsewhere
     warmup.wait_stream(torch.cuda.current_stream(DEVICE))
     with torch.no_grad(), torch.cuda.stream(warmup):
-        model(static_x)
+        for _ in range(3):
+            model(static_x)
     torch.cuda.current_stream(DEVICE).wait_stream(warmup)
-    assert model.stats.bypasses == 0
+    calls = model.stats.stage_calls
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(graph):
         static_out = model(static_x)
-    assert model.stats.bypasses == len(model.plan.stages)
-    bypassed = [e for e in model.events if e.kind is ooo_wrap.EventKind.BYPASSED]
-    assert [(e.reason, e.count) for e in bypassed] == [("graph_capture", len(model.plan.stages))]
+    assert model.stats.stage_calls == calls + len(model.plan.stages)
+    assert model.stats.bypasses == 0
+    assert not [e for e in model.events if e.kind is ooo_wrap.EventKind.BYPASSED]
     new_x = quickstart.example_input(8).to(DEVICE) * 2
     static_x.copy_(new_x)
     graph.replay()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -37,6 +38,7 @@ def check(
     steps: int = 2,
     planner: Planner = "dataflow",
     overlap_forward: bool = False,
+    capture: bool = False,
 ) -> CheckReport:
     """Train a copy of ``model`` on virtual streams and report every stream race.
 
@@ -60,6 +62,13 @@ def check(
         planner: as for :class:`~ooo_wrap.OOOModule`.
         overlap_forward: check the wrapper with deferred joins, as
             ``OOOModule(..., overlap_forward=True)`` runs it.
+        capture: run the last step (forward, loss, backward and the SGD update) under a
+            simulated CUDA graph capture, the earlier ones eagerly as warm-up, as
+            ``torch.cuda.graph`` is used. The rules a real capture enforces are checked
+            (every stream used joins through an event recorded during the capture and
+            rejoins before its end, no host read inside); parity with the plain copy
+            is still bitwise. With the ``dataflow`` planner it needs ``steps >= 2``:
+            the plan is learned on an eager first step.
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
@@ -67,9 +76,12 @@ def check(
         check: ``report.ok`` is false and ``report.not_checked`` says why.
 
     Raises:
-        OOOConfigError: ``model`` is already wrapped, ``steps`` is not a positive int,
-            or the output has no floating-point tensor that requires grad (pass
-            ``loss_fn``); also the wrapper's own configuration errors.
+        OOOConfigError: ``model`` is already wrapped, ``steps`` is not a positive int
+            (or below 2 with ``capture`` and the ``dataflow`` planner), or the output
+            has no floating-point tensor that requires grad (pass ``loss_fn``); also
+            the wrapper's own configuration errors.
+        CaptureError: with ``capture``, the captured step broke a rule of CUDA stream
+            capture (the message names the stream and the rule).
 
     Example::
 
@@ -83,6 +95,11 @@ def check(
             "check it before wrapping, or pass ooo_wrap.unwrap(model)"
         )
     positive_int(steps, "steps")
+    if capture and planner == "dataflow" and steps < 2:
+        raise OOOConfigError(
+            "check(capture=True) with the dataflow planner needs steps >= 2: the plan is "
+            "learned on an eager first step, and only a later step can be captured"
+        )
     backend = DetectingBackend()
     model = _materialized(model, inputs)
     wrapped = OOOModule(
@@ -98,7 +115,7 @@ def check(
     with detect(backend, keep_alive=[wrapped]) as found:
         handles = _label_stages(wrapped, found)
         try:
-            checked = _train(wrapped, wrapped_inputs, loss_fn, steps, found)
+            checked = _train(wrapped, wrapped_inputs, loss_fn, steps, found, capture=capture)
         finally:
             for handle in handles:
                 handle.remove()
@@ -117,6 +134,7 @@ def check(
         trace=records,
         notes=notes,
         steps=steps,
+        captured=capture,
         not_checked=_not_checked(
             wrapped, learned_on_last_step=planner == "dataflow" and steps == 1
         ),
@@ -172,24 +190,32 @@ def _train(
     loss_fn: Callable[[Any], torch.Tensor] | None,
     steps: int,
     found: Detection | None,
+    *,
+    capture: bool = False,
 ) -> list[tuple[_Named, _Named]]:
-    """Run the steps; per step, the outputs and gradients by name (detached)."""
+    """Run the steps; per step, the outputs and gradients by name (detached). With
+    ``capture`` (and ``found``), the last step runs under a simulated graph capture."""
     results = []
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
-        for _ in range(steps):
-            output = model(*inputs)
-            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-            torch.autograd.backward(loss)
-            grads = {name: p.grad for name, p in params if p.grad is not None}
-            if found is not None:
-                # Gradients live in .grad until the next zero_grad, like parameters.
-                found.keep_alive(*grads.values())
-                with found.phase("step"):
+        for step in range(steps):
+            captured = capture and step == steps - 1
+            graph: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if found is not None and captured:
+                graph = found.backend.capturing()
+            with graph:
+                output = model(*inputs)
+                loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+                torch.autograd.backward(loss)
+                grads = {name: p.grad for name, p in params if p.grad is not None}
+                if found is not None:
+                    # Gradients live in .grad until the next zero_grad, like parameters.
+                    found.keep_alive(*grads.values())
+                    with found.phase("step"):
+                        _sgd(params)
+                else:
                     _sgd(params)
-            else:
-                _sgd(params)
             outputs = {name: t.detach() for name, t in named_tensors(output, "output")}
             results.append((outputs, {f"grad:{n}": g for n, g in grads.items()}))
             del output, loss  # drop the graph, so the next step makes fresh nodes

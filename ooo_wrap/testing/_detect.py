@@ -1,4 +1,8 @@
-"""Run code on virtual streams under the race detector: ``detect()`` and ``host_read()``."""
+"""Run code on virtual streams under the race detector: ``detect()`` and ``host_read()``.
+
+Inside ``detect()``, ``backend.capturing()`` simulates a CUDA graph capture whose rules
+``_capture.py`` checks.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from torch import nn
 from .._cost import estimate_op
 from .._intercept import OpInterceptor, intercept_new_threads
 from .._tensors import tensors_in
+from ._capture import SimulatedCapture, simulated_capture
 from ._engine import EngineModel
 from ._ops import TensorUse, is_view_only, storage_key, tensor_uses, written_keys
 from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
@@ -49,24 +54,59 @@ class DetectingBackend(SimulatedBackend):
     def record_event(
         self, stream: VirtualStream, event: VirtualEvent | None = None
     ) -> VirtualEvent:
+        detection = self._detection
+        if detection is not None and detection.capture is not None:
+            detection.capture.use(stream, "an event record")
         event = super().record_event(stream, event)
-        if self._detection is not None:
-            self._detection._events[event.id] = self._detection.tracker.snapshot(stream)
+        if detection is not None:
+            detection._events[event.id] = detection.tracker.snapshot(stream)
         return event
 
     def wait_event(self, stream: VirtualStream, event: VirtualEvent) -> None:
+        detection = self._detection
+        # An event recorded before detection began orders nothing the detector saw.
+        snapshot = None if detection is None else detection._events.get(event.id)
+        if detection is not None and detection.capture is not None:
+            detection.capture.wait(stream, event, snapshot)
         super().wait_event(stream, event)
-        if self._detection is not None:
-            # An event recorded before detection began orders nothing the detector saw.
-            snapshot = self._detection._events.get(event.id)
-            if snapshot is not None:
-                self._detection.tracker.wait(stream, snapshot)
+        if detection is not None and snapshot is not None:
+            detection.tracker.wait(stream, snapshot)
 
     def record_stream(self, tensor: torch.Tensor, stream: VirtualStream) -> None:
         super().record_stream(tensor, stream)
         key = storage_key(tensor)
         if self._detection is not None and key is not None:
             self._detection.tracker.record_stream(key, stream)
+
+    def is_capturing(self, stream: VirtualStream) -> bool:
+        # As CUDA answers: a stream that joined a capture is capturing too.
+        capture = None if self._detection is None else self._detection.capture
+        return super().is_capturing(stream) or (capture is not None and capture.joined(stream))
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Simulate a graph capture begun on the calling thread's current stream.
+
+        Inside a :func:`detect` block the rules of a CUDA stream capture are enforced
+        (``ooo_wrap/testing/_capture.py``): every stream used must have joined through an
+        event recorded during the capture, every joined stream must rejoin before the
+        end, and no host read may happen inside; a broken rule raises
+        :class:`~ooo_wrap.testing.CaptureError`. Outside one it only makes
+        :meth:`is_capturing` true for that stream.
+
+        Example::
+
+            >>> with detect(backend):
+            ...     with backend.capturing():
+            ...         model(static_x).sum().backward()
+        """
+        detection = self._detection
+        if detection is None:
+            with super().capturing():
+                yield
+            return
+        with super().capturing(), simulated_capture(detection):
+            yield
 
 
 class Detection:
@@ -75,6 +115,8 @@ class Detection:
     Attributes:
         backend: the backend whose virtual streams the block runs on.
         tracker: the happens-before bookkeeping (vector clocks, per-storage history).
+        capture: the simulated graph capture underway (``backend.capturing()``), if any.
+        captures: how many simulated captures ended with their rules kept.
     """
 
     def __init__(self, backend: DetectingBackend) -> None:
@@ -89,6 +131,9 @@ class Detection:
         self._lock = threading.RLock()
         # Per storage in the history, what forgets it when the storage is freed.
         self._watched: dict[int, weakref.finalize[Any, Any]] = {}
+        # The simulated graph capture underway, and how many were completed.
+        self.capture: SimulatedCapture | None = None
+        self.captures = 0
 
     @property
     def races(self) -> tuple[Race, ...]:
@@ -205,6 +250,8 @@ class Detection:
         cost_us: float,
     ) -> None:
         tracker = self.tracker
+        if self.capture is not None:
+            self.capture.op(op, stream)
         tracker.tick(stream)
         seq = len(self._records)
         phase: Phase = "backward" if self._engine.in_backward else self._phase
@@ -310,7 +357,8 @@ def detect(
 
 
 def host_read(tensor: torch.Tensor) -> torch.Tensor:
-    """Model the host reading ``tensor`` (``.cpu()``, ``.numpy()``, ``.tolist()``).
+    """Model the host reading ``tensor`` (``.cpu()``, ``.numpy()``, ``.tolist()``, or a
+    synchronize before reading it); inside a simulated graph capture it is refused.
 
     The copy runs on the current stream, so the read must be ordered after every write.
     ``.item()`` needs no helper: the detector sees its op. Outside :func:`detect` this

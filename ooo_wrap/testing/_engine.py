@@ -24,6 +24,11 @@ how each point is modelled here:
    the first op it runs, whichever hook comes first.
 6. At the end of ``backward()`` the caller's stream waits on every leaf stream (streams
    of nodes with no outputs, such as ``AccumulateGrad``), so the caller may read ``.grad``.
+   ``torch.autograd.grad`` runs no ``AccumulateGrad``: the engine captures the gradient
+   at that node instead and counts its stream as a leaf stream too, which is modelled by
+   counting the stream of every ``AccumulateGrad`` fed a gradient but never run (one
+   skipped as not needed, e.g. for a parameter left out of ``inputs=``, counts too: more
+   order than the engine gives, only there).
 7. A backward run from inside a node (reentrant checkpoint) is a graph task of its own:
    it ends when that node finishes, whatever order the engine runs its final callbacks in.
 
@@ -57,6 +62,7 @@ __all__ = ["CHECKED_TORCH", "EngineHost", "EngineModel", "NodeTag"]
 CHECKED_TORCH = ((2, 9), (2, 13))
 
 _TAG = "ooo_wrap.testing.stream"
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
 
 class EngineHost(Protocol):
@@ -95,6 +101,8 @@ class _Backward:
     start: Clock
     stage_before: str | None
     leaf_streams: set[VirtualStream] = field(default_factory=set)
+    # AccumulateGrad nodes fed a gradient and not run (yet): tag id -> stream.
+    unrun: dict[int, VirtualStream] = field(default_factory=dict)
     running: int = 0
     nested: bool = False
     done: bool = False
@@ -244,6 +252,7 @@ class EngineModel:
         self._fed.discard(tag.id)
         self._buffered.pop(tag.id, None)
         self._running.add(tag.id)
+        frame.unrun.pop(tag.id, None)
         if not node.next_functions:
             frame.leaf_streams.add(tag.stream)
         frame.running += 1
@@ -276,6 +285,8 @@ class EngineModel:
                 consumer_node, tag.stream, tag.stage
             )
             self._fed.add(consumer.id)
+            if self._stack and consumer_node.name() == _ACCUMULATE_GRAD:
+                self._stack[-1].unrun[consumer.id] = consumer.stream
             key = storage_key(grad)
             if consumer.stream != tag.stream:
                 # 1. The consumer's stream waits on an event recorded on ours now.
@@ -311,7 +322,7 @@ class EngineModel:
             return
         frame.done = True
         tracker = self._host.tracker
-        for leaf in frame.leaf_streams:
+        for leaf in frame.leaf_streams | set(frame.unrun.values()):
             if leaf != frame.caller:
                 tracker.wait(frame.caller, tracker.snapshot(leaf))
         while self._stack:

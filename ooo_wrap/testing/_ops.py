@@ -11,6 +11,7 @@ import torch
 from .._tensors import tensors_in
 
 __all__ = [
+    "HOST_SYNC_OPS",
     "TensorUse",
     "byte_span",
     "is_view_only",
@@ -19,6 +20,10 @@ __all__ = [
     "unwrap",
     "written_keys",
 ]
+
+# Ops after which the host holds until the device is done: ``.item()`` (and what calls
+# it), and the detector's host_read().
+HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "host_read"})
 
 # Tensors made from host data (torch.tensor, as_tensor, from_numpy, the scalar of
 # ``t[i] = 3``) are allocated outside the dispatcher, which shows them only as this

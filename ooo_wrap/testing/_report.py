@@ -94,6 +94,8 @@ class CheckReport:
         trace: every op in order, for :meth:`save_trace`.
         notes: what the wrapper decided (e.g. why it fell back), one line each.
         steps: training steps run.
+        captured: whether the last step ran under a simulated CUDA graph capture, whose
+            rules held (a broken one raises ``CaptureError`` instead of reporting).
         not_checked: why nothing was checked, when the wrapper fell back (the model then
             ran with standard backward, so there were no side streams to check); ``None``
             when the wrapped model was checked.
@@ -113,6 +115,7 @@ class CheckReport:
     trace: tuple[OpRecord, ...]
     notes: tuple[str, ...]
     steps: int
+    captured: bool = False
     not_checked: str | None = None
 
     @property
@@ -131,7 +134,8 @@ class CheckReport:
             return f"ooo_wrap check: NOT CHECKED: {self.not_checked}"
         verdict = "OK" if self.ok else "FAILED"
         lines = [
-            f"ooo_wrap check: {verdict} ({plural(self.steps, 'step')}; "
+            f"ooo_wrap check: {verdict} ({plural(self.steps, 'step')}"
+            f"{', the last one under simulated graph capture' if self.captured else ''}; "
             f"{plural(len(self.races), 'race')}, "
             f"{plural(len(self.allocator_hazards), 'allocator hazard')}, "
             f"{plural(sum(not p.exact for p in self.parity), 'parity mismatch', 'es')})"

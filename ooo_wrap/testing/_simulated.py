@@ -167,7 +167,11 @@ class SimulatedBackend:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Pretend the calling thread's current stream is recording a graph capture."""
+        """Pretend the calling thread's current stream is recording a graph capture.
+
+        Only :meth:`is_capturing` changes; a ``DetectingBackend`` inside ``detect()``
+        also enforces the rules of a CUDA stream capture.
+        """
         stream = self._peek_stream()
         self._capturing.add(stream)
         try:

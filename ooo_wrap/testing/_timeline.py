@@ -23,12 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._cost import H200, ReferenceGPU
+from ._ops import HOST_SYNC_OPS
 from ._tracker import OpRecord
 
 __all__ = ["Slot", "Timeline", "lay_out", "split_steps"]
-
-# Ops after which the host holds until the device is done.
-_HOST_SYNC = frozenset({"aten._local_scalar_dense.default", "host_read"})
 
 
 @dataclass(frozen=True)
@@ -94,7 +92,7 @@ def lay_out(
             host += gpu.launch_us
         start = max(host, ready)
         end = start + record.cost_us
-        if record.op in _HOST_SYNC:
+        if record.op in HOST_SYNC_OPS:
             host = max(host, end)
         stream_end[own] = max(stream_end.get(own, 0.0), end)
         if own in clock:

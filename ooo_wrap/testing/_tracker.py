@@ -196,6 +196,11 @@ class StreamTracker:
             if clock.get(other, 0) < time:
                 clock[other] = time
 
+    @property
+    def streams(self) -> KeysView[StreamId]:
+        """The streams with a clock (every stream that ran an op or waited)."""
+        return self._clocks.keys()
+
     def allocate(self, storage: StorageId, stream: StreamId) -> None:
         """A fresh block for ``storage`` on ``stream``: forget what its address held before."""
         self._storages[storage] = _StorageState(allocated_on=stream)
