@@ -69,6 +69,7 @@ __all__ = [
     "Pending",
     "defer",
     "finish",
+    "join_before_inline",
     "join_from",
     "pending_count",
     "resume",
@@ -236,6 +237,16 @@ def join_from(level: int, *, touched: bool = False) -> None:
                 backend.wait_event(current, entry.event)
     if not pending:
         _state.by_storage.clear()
+
+
+def join_before_inline(level: int, depth_of: Callable[[], int]) -> None:
+    """Before a stage runs inline at ``level`` + 1 (bypassed), where :class:`JoinOnTouch`
+    does not look: queue the caller's wait for everything pending at ``level`` or deeper."""
+    suspend()
+    try:
+        join_from(level)
+    finally:
+        resume(level, depth_of)
 
 
 def finish(first: int, owner: object) -> None:

@@ -374,8 +374,11 @@ class Scheduler:
             reason = _eager_bypass_reason()
         backend = self._backend
         if reason is not None:
-            if self.overlap_forward:
-                _deferred.join_from(len(frames))  # it runs on the caller's stream
+            if _deferred.pending_count():
+                # It runs on the caller's stream, one level down where no touch is seen:
+                # join first what is pending there (this model's, or another's with
+                # overlap_forward whose forward calls this model).
+                _deferred.join_before_inline(len(frames), _level)
             self._counters.bypasses += 1
             self._bypass_event(reason)
             frames.append(_Frame(stage, module, None, _NO_EVENTS))

@@ -15,8 +15,10 @@ import torch
 from test_checker_guards import _remove
 from torch import nn
 
+import ooo_wrap
 from ooo_wrap import _deferred
-from ooo_wrap.testing import CaptureError, CheckReport, DetectingBackend, RaceKind, check
+from ooo_wrap._scheduler import Scheduler
+from ooo_wrap.testing import CaptureError, CheckReport, DetectingBackend, RaceKind, check, detect
 from ooo_wrap.testing import _check as check_module
 
 RAW = RaceKind.READ_AFTER_WRITE
@@ -199,3 +201,64 @@ def test_a_touch_on_a_stream_the_parent_switched_to_waits_there_too(
         and r.later.stream == "side3"
         for r in report.races
     ), str(report)
+
+
+class HandsToDisabledModel(nn.Module):
+    """Hands stage ``a``'s pending output to another wrapped model called under
+    ``ooo_wrap.disabled()``: that model's stage runs inline on the caller's stream, one
+    level down, where the join-on-touch mode does not look. Its pre-hook must join first.
+    The other model is held outside the module tree (a wrapped model cannot nest)."""
+
+    def __init__(self, other: nn.Module) -> None:
+        super().__init__()
+        self.a = nn.Linear(om.DIM, om.DIM)
+        self.b = nn.Linear(om.DIM, om.DIM)
+        self.others = [other]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with ooo_wrap.disabled():
+            return self.others[0](h) + self.b(x)
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Linear(om.DIM, om.DIM)
+        self.q = nn.Linear(om.DIM, om.DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.q(self.p(h))
+
+
+def _disabled_handoff_races() -> list[str]:
+    torch.manual_seed(0)
+    backend = DetectingBackend()
+    other = ooo_wrap.OOOModule(Head(), backend=backend, planner="static", stages=["p", "q"])
+    model = HandsToDisabledModel(other)
+    ooo_wrap.OOOModule(
+        model, backend=backend, planner="static", stages=["a", "b"], overlap_forward=True
+    )
+    with detect(backend, keep_alive=[model, other]) as found:
+        model(om.inputs()).sum().backward()
+    # The model's streams come after the other's: ``a`` runs on side3.
+    return [f"{r.kind} {r.earlier.stream} -> {r.later.stream} {r.later.op}" for r in found.races]
+
+
+def test_a_stage_run_inline_by_another_model_joins_the_pending_stages_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _disabled_handoff_races() == []
+    join_from = _deferred.join_from
+    original = Scheduler._stage_pre_hook
+
+    def pre_hook(self: Scheduler, *args: Any) -> None:
+        _deferred.join_from = lambda level, **kwargs: None  # type: ignore[assignment]
+        try:
+            original(self, *args)
+        finally:
+            _deferred.join_from = join_from  # type: ignore[assignment]
+
+    monkeypatch.setattr(Scheduler, "_stage_pre_hook", pre_hook)
+    races = _disabled_handoff_races()
+    assert "read-after-write side3 -> default aten.addmm.default" in races, races
