@@ -19,11 +19,23 @@ For one :class:`Point` (model spec, batch size, precision) on one device, every 
    whole captured step. The first ``warmup`` steps of each side are reported apart from
    the ``steps`` steady-state ones.
 
-A graphed side is captured after ``graph_warmup`` eager steps of its own (on a side
-stream, see ``benchmarks/graphs.py``), so its parameters are that many steps ahead of the
-eager sides' and its losses are not comparable with theirs. A mode other than plain and
-wrapped eager that fails (a step that cannot be captured, say) is recorded as failed with
-its error in ``failed_modes``; the other sides are still measured.
+A graphed side is the library's own recipe, :func:`ooo_wrap.graphed_step`: the step
+(zero_grad, forward, loss, backward, optimizer step) runs ``graph_warmup`` eager steps on
+a side stream, then is captured, so its parameters are that many steps ahead of the eager
+sides' and its losses are not comparable with theirs. The suite times the warm-up and the
+capture apart (``graph_warmup_ms``, ``capture_ms``), and reads the wrapper's counters
+around the captured step alone: ``capture_stage_calls`` (stage calls forked onto side
+streams inside the capture) and ``capture_bypasses`` (stage calls run inline, whatever
+the reason), from which ``wrapper_in_capture`` says where the stages ran. Under bfloat16
+the captured step runs autocast with its weight-cast cache off
+(``cache_enabled=False``, as PyTorch's CUDA graph notes ask of captured autocast
+regions): a cached cast made during capture would outlive it. A step that is not
+captured (``GraphedStep.captured`` false: no CUDA) is a failed mode with the step's
+message, never timed as graphed. A mode other than plain and wrapped eager that fails
+(a capture that raised, say) is recorded as failed with its error in ``failed_modes``,
+or listed in ``out_of_memory_modes`` when it ran out of device memory (also inside the
+capture, where ``graphed_step`` keeps the error as the cause of its ``OOOError``); the
+other sides are still measured.
 """
 
 from __future__ import annotations
@@ -42,7 +54,6 @@ from torch import nn
 
 import ooo_wrap
 
-from .graphs import GraphCaptureError, capture_step, graph_capture_bypasses
 from .models import ModelSpec
 
 __all__ = [
@@ -78,13 +89,20 @@ MODE_DESCRIPTIONS: dict[Mode, str] = {
     "wrapped_overlap": "OOOModule(overlap_forward=True), eager",
     "plain_graphed": "the model as it is, the whole step captured as one CUDA graph, replayed",
     "wrapped_graphed": "OOOModule, the whole step captured as one CUDA graph, replayed; "
-    "each point records whether the wrapper ran its stages inline under capture (counted "
-    "BYPASSED/graph_capture events) or forked onto side streams inside it",
+    "each point records the wrapper's stage calls forked onto side streams and run inline "
+    "during the capture (from its stats)",
 }
 
-# capture(step_fn, *sample_args, zero_grad=..., warmup=...) -> a callable that copies its
-# arguments into static buffers and replays; ``benchmarks.graphs.capture_step`` by default.
+# capture(step_fn, *sample_args, warmup=...) -> a GraphedStep-like object (``captured``,
+# ``reason``, ``message``; calling it copies its arguments in and replays);
+# ``ooo_wrap.graphed_step`` by default.
 Capture = Callable[..., Any]
+# The wrapper's counters read around the captured step (``OOOStats`` fields).
+CAPTURE_STATS = ("stage_calls", "bypasses")
+
+
+class NotCapturedError(RuntimeError):
+    """The graphed mode's step was not captured (it would run eagerly): a failed mode."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +141,9 @@ class _Side:
         self.model = model
         # Momentum gives the optimizer per-parameter state, as real training has.
         self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        self.capture_ms: float | None = None
+        self.capture_ms: float | None = None  # a graphed side's capture, from here on
+        self.graph_warmup_ms: float | None = None
+        self.capture_stats: dict[str, int] | None = None  # counter deltas of the capture
 
     def body(
         self,
@@ -175,19 +195,37 @@ class _GraphedSide(_Side):
         sync: Callable[[], None],
     ) -> None:
         super().__init__(mode, model, lr)
+        # Per call of step_fn: when it started, and the wrapper's counters then.
+        calls: list[tuple[float, dict[str, int] | None]] = []
 
         def step_fn(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            calls.append((time.perf_counter(), _stats(self.model)))
+            self.zero_grad()  # set to None: the capture allocates the gradients it rewrites
             # Autocast's cast cache would keep tensors made during capture past it.
             return self.body(spec, inputs, target, dtype, autocast_cache=False)
 
         sync()
         start = time.perf_counter()
-        self._replay = capture(step_fn, *batch, zero_grad=self.zero_grad, warmup=warmup)
+        graphed = capture(step_fn, *batch, warmup=warmup)
         sync()
-        self.capture_ms = (time.perf_counter() - start) * 1e3
-        if not getattr(self._replay, "captured", True):  # a helper that fell back to eager
-            reason = getattr(self._replay, "reason", None) or "no reason given"
-            raise GraphCaptureError(f"not captured: {reason}")
+        end = time.perf_counter()
+        if not graphed.captured:
+            raise NotCapturedError(f"{graphed.message} (reason: {graphed.reason})")
+        if len(calls) != warmup + 1:
+            raise RuntimeError(
+                f"the capture ran the step {len(calls)} times, expected {warmup} warm-up "
+                "steps and the captured one"
+            )
+        # The captured step is the last call. graphed_step's warm-up has finished on the
+        # device when it starts (torch.cuda.graph synchronizes before capturing), so the
+        # capture's time runs from there to the instantiated graph.
+        captured_at, before = calls[-1]
+        self.graph_warmup_ms = (captured_at - start) * 1e3
+        self.capture_ms = (end - captured_at) * 1e3
+        after = _stats(model)
+        if before is not None and after is not None:
+            self.capture_stats = {key: after[key] - before[key] for key in CAPTURE_STATS}
+        self._replay = graphed
 
     def step(
         self, spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor], dtype: Dtype
@@ -230,6 +268,19 @@ def _failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """``error`` is, or was raised from, running out of device memory: ``graphed_step``
+    raises ``OOOError`` from a ``torch.OutOfMemoryError`` inside the capture."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, torch.OutOfMemoryError):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 def measure_point(
     point: Point,
     device: torch.device,
@@ -264,9 +315,10 @@ def measure_point(
         modes: the sides, from :data:`MODES`; plain and wrapped eager are required.
             ``wrapped_overlap`` wraps with ``overlap_forward=True``; the graphed modes
             capture the whole step with ``capture``.
-        capture: how a graphed side captures its step
-            (:func:`benchmarks.graphs.capture_step` by default, which needs CUDA).
-        graph_warmup: eager steps of a graphed side before its capture.
+        capture: how a graphed side captures its step (:func:`ooo_wrap.graphed_step` by
+            default: without CUDA it does not capture, and the graphed modes fail).
+        graph_warmup: eager steps of a graphed side before its capture (``graphed_step``
+            needs at least 2).
 
     Returns:
         One dict per measured mode under its name (``plain``, ``wrapped``, ...), and
@@ -277,7 +329,7 @@ def measure_point(
     if steps < 1 or warmup < 0 or mem_steps < 1:
         raise ValueError("need steps >= 1, warmup >= 0 and mem_steps >= 1")
     wanted = check_modes(modes)
-    capture_fn: Capture = capture if capture is not None else capture_step
+    capture_fn: Capture = capture if capture is not None else ooo_wrap.graphed_step
     spec = point.spec
     sync = _synchronizer(device)
     on_cuda = device.type == "cuda"
@@ -325,7 +377,7 @@ def measure_point(
         """An optional mode's failure is recorded; plain or wrapped failing fails the point."""
         if mode in REQUIRED_MODES:
             raise error
-        if isinstance(error, torch.cuda.OutOfMemoryError):
+        if _out_of_memory(error):
             record["out_of_memory_modes"].append(mode)
         else:
             record["failed_modes"][mode] = _failure(error)
@@ -358,6 +410,7 @@ def measure_point(
         record[mode] = {"first_steps_ms": [s * 1e3 for s in first]}
         if side.capture_ms is not None:
             record[mode]["capture_ms"] = side.capture_ms
+            record[mode]["graph_warmup_ms"] = side.graph_warmup_ms
         # Allocated is what tensors use; reserved adds what the caching allocator holds,
         # which side streams can raise (a freed block is reused only on its own stream).
         record[mode]["peak_memory_bytes"] = (
@@ -404,6 +457,7 @@ def measure_point(
         if name in GRAPHED_MODES:
             entry["captured"] = True
             entry["capture_ms"] = side.capture_ms  # the timing phase's capture
+            entry["graph_warmup_ms"] = side.graph_warmup_ms
         if name in WRAPPED_MODES:
             _wrapper_fields(entry, side, stats_before[name], steps)
 
@@ -441,17 +495,25 @@ def _wrapper_fields(
         assert before is not None
         entry["stats_per_step"] = {key: (after[key] - before[key]) / steps for key in after}
         return
-    # A replay runs no Python: the hooks ran during warm-up and capture only. Under
-    # capture the wrapper either ran every stage inline (a BYPASSED/graph_capture event
-    # per stage call) or forked onto side streams inside the capture.
-    bypasses = graph_capture_bypasses(model)
-    entry["graph_capture_bypasses"] = bypasses
-    if bypasses:
-        entry["wrapper_in_capture"] = "inline"
-    elif entry["stages"]:
-        entry["wrapper_in_capture"] = "side streams"
-    else:
-        entry["wrapper_in_capture"] = "no stages"
+    # A replay runs no Python: the hooks ran during warm-up and capture only. The counters
+    # read around the captured step say whether its stage calls forked onto side streams
+    # inside the capture (stage_calls) or ran inline on the capturing stream (bypasses).
+    counts = side.capture_stats or dict.fromkeys(CAPTURE_STATS, 0)
+    forked, inline = counts["stage_calls"], counts["bypasses"]
+    entry["capture_stage_calls"] = forked
+    entry["capture_bypasses"] = inline
+    entry["wrapper_in_capture"] = _where_in_capture(entry["stages"], forked, inline)
+
+
+def _where_in_capture(stages: int, forked: int, inline: int) -> str:
+    """Where the wrapper ran the captured step's stage calls, from its counters."""
+    if not stages:
+        return "no stages"
+    if forked and inline:
+        return "partly inline"
+    if inline:
+        return "inline"
+    return "side streams" if forked else "no stage calls"
 
 
 def _release(on_cuda: bool) -> None:

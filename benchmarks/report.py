@@ -114,15 +114,22 @@ def _extra_modes(record: Record) -> list[str]:
 
 
 def _capture_note(side: Record) -> str:
-    """How the wrapper ran under capture, from its counted graph_capture bypasses."""
+    """Where the wrapper ran the captured step's stage calls, from its counters."""
     where = side.get("wrapper_in_capture")
-    bypasses = side.get("graph_capture_bypasses")
-    if where == "inline":
-        return f"wrapper bypassed under capture: stages inline (BYPASSED/graph_capture x{bypasses})"
+    forked = side.get("capture_stage_calls")
+    inline = side.get("capture_bypasses")
     if where == "side streams":
-        return "no graph_capture bypass: stages on side streams inside the capture"
+        return f"stages on side streams inside the capture ({forked} stage calls forked)"
+    if where == "inline":
+        return f"stages inline in the capture, not overlapped ({inline} stage calls bypassed)"
+    if where == "partly inline":
+        return (
+            f"stages partly inline in the capture ({forked} stage calls forked, {inline} bypassed)"
+        )
+    if where == "no stage calls":
+        return "no stage call in the capture"
     if where == "no stages":
-        return "no graph_capture bypass, and the plan has no stages to fork"
+        return "the plan has no stages to fork"
     return "capture not recorded"
 
 
@@ -130,8 +137,9 @@ def _mode_note(record: Record, mode: str) -> str:
     side = record[mode]
     notes = []
     if mode.endswith("_graphed"):
-        capture = side.get("capture_ms")
-        notes.append("captured" + (f" in {capture:.0f} ms" if capture is not None else ""))
+        capture, warmup = side.get("capture_ms"), side.get("graph_warmup_ms")
+        note = "captured" + (f" in {capture:.0f} ms" if capture is not None else "")
+        notes.append(note + (f" after {warmup:.0f} ms of warm-up" if warmup is not None else ""))
     if mode != "plain" and "active" in side and not side["active"]:
         reasons = ", ".join(side.get("events", [])) or "unknown reason"
         notes.append(f"**not wrapped: {reasons}**")
@@ -149,7 +157,7 @@ def modes_table(records: Sequence[Record]) -> str:
     """One row per point and mode, for runs with modes beyond plain and wrapped eager.
 
     Every mode's step time against plain eager; a graphed wrapped side says whether the
-    wrapper ran its stages inline under capture or on side streams inside it; a mode that
+    wrapper's stage calls forked onto side streams inside the capture or ran inline; a mode that
     failed or ran out of memory is a row saying so, with its error.
     """
     header = (

@@ -5,12 +5,13 @@ Run: ``python benchmarks/suite.py [flags]`` (``--help`` lists them). Four model 
 batch size (towers over width too), in float32 and bfloat16 autocast. Every point
 measures plain and wrapped eager, and the other modes asked for (``--modes``,
 ``--overlap-forward``, ``--graphs``: wrapped with ``overlap_forward=True``, and the whole
-step captured as a CUDA graph, plain and wrapped), all interleaved. For every point and
-mode: warm-up apart from steady state; median, p10 and p90 of the synchronized step time
-(forward + backward + optimizer step, or one replay); samples/s; peak memory of each side
-alone; the wrapper's stats per step, or for a graphed side whether the wrapper ran its
-stages inline under capture (see ``benchmarks/measure.py`` for the method). A mode that
-fails at a point (a step that cannot be captured) is listed as failed with its error.
+step captured as a CUDA graph by ``ooo_wrap.graphed_step``, plain and wrapped), all
+interleaved. For every point and mode: warm-up apart from steady state; median, p10 and
+p90 of the synchronized step time (forward + backward + optimizer step, or one replay);
+samples/s; peak memory of each side alone; the wrapper's stats per step, or for a graphed
+side its stage calls forked onto side streams and run inline during the capture (see
+``benchmarks/measure.py`` for the method). A mode that fails at a point (a step that
+cannot be captured) is listed as failed with its error.
 Output: a markdown report on stdout, a JSON file and a PNG plot of speedup (matplotlib,
 from the optional ``bench`` extra), named with the date and the GPU; a progress line on
 stderr while it runs. The JSON is rewritten after
@@ -135,7 +136,11 @@ class Progress:
 def new_report(args: argparse.Namespace, argv: Sequence[str], kind: str) -> dict[str, Any]:
     """An empty report: where and how, and a list for each way a point can end."""
     return {
-        "schema": 3,  # 3: modes per point (settings.overlap_forward: wrapped_overlap measured)
+        # 3: modes per point (settings.overlap_forward: wrapped_overlap measured); 4: a
+        # graphed wrapped side records capture_stage_calls and capture_bypasses (the
+        # wrapper's counters around the captured step) instead of counted bypass events;
+        # a graphed side records graph_warmup_ms, and capture_ms is the capture alone.
+        "schema": 4,
         "kind": kind,
         "complete": False,  # True once every point was tried and the overhead measured
         "environment": environment(argv),
@@ -302,7 +307,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "timing": "per step: synchronize, perf_counter, zero_grad + forward (autocast for "
         "bfloat16) + loss + backward + optimizer.step, synchronize, perf_counter; graphed "
         "modes: the batch copied into the graph's static inputs + one replay of the whole "
-        "captured step (autocast without its cast cache), between the same synchronizes",
+        "captured step (ooo_wrap.graphed_step; autocast without its cast cache), between "
+        "the same synchronizes",
         "budget_s": args.budget_s,
         "overhead_repeats": args.overhead_repeats,
         "overhead_calls": args.overhead_calls,

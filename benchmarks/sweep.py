@@ -135,13 +135,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--graphs",
         action="store_true",
         help="add the modes plain_graphed and wrapped_graphed: the whole training step "
-        "captured with torch.cuda.graph and replayed",
+        "captured with ooo_wrap.graphed_step and replayed",
     )
     g.add_argument(
         "--graph-warmup",
         type=int,
         default=3,
-        help="eager steps (on a side stream) before each capture of a graphed mode",
+        help="eager steps (on a side stream) before each capture of a graphed mode; at "
+        "least 2 (graphed_step's warmup)",
     )
     g.add_argument("--seed", type=int, default=0, help="seeds parameters and batch")
     g.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate (momentum 0.9)")
@@ -174,8 +175,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.graphs:
         wanted += GRAPHED_MODES
     args.modes = list(check_modes(wanted))
-    if args.graph_warmup < 1:
-        p.error(f"--graph-warmup must be >= 1, got {args.graph_warmup}")
+    if args.graph_warmup < 2:  # the dataflow planner learns on the first, inline
+        p.error(f"--graph-warmup must be >= 2, got {args.graph_warmup}")
     return args
 
 

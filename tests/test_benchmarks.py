@@ -20,7 +20,7 @@ import torch
 
 import ooo_wrap
 import ooo_wrap.testing
-from benchmarks import graphs, overhead, report, suite
+from benchmarks import overhead, report, suite
 from benchmarks.measure import MODES, Point, measure_point, summarize_times
 from benchmarks.models import ModelSpec
 from ooo_wrap.testing import SimulatedBackend
@@ -621,10 +621,12 @@ def test_measure_point_with_overlap_forward_defers_the_joins() -> None:
 
 
 class _Replay:
-    """What a capture returns: replays give back the captured step's (static) loss."""
+    """What ``graphed_step`` returns when it captured: replays give back the captured
+    step's (static) loss."""
 
     captured = True
-    reason = None
+    reason = "captured"
+    message = "captured (simulated)"
 
     def __init__(self, output: torch.Tensor) -> None:
         self.output = output
@@ -635,31 +637,26 @@ class _Replay:
         return self.output
 
 
-def _simulated_capture(backend: SimulatedBackend, *, mark_capturing: bool, seen: list[Any]) -> Any:
-    """A capture on virtual streams: warm-up steps, then one step with the stream capturing.
-
-    ``mark_capturing=False`` stands for a wrapper that forks onto side streams under capture
-    (it never reports a graph_capture bypass); a real replay runs no Python, so neither
-    does this one.
+def _simulated_capture(backend: SimulatedBackend, *, inline: bool, seen: list[Any]) -> Any:
+    """``graphed_step`` on virtual streams: ``warmup`` eager steps, then one step with the
+    stream capturing (``backend.capturing()``). ``inline=True`` also runs that step inside
+    ``ooo_wrap.disabled()``, so the wrapper runs its stage calls inline on the capturing
+    stream. A real replay runs no Python, so neither does this one.
     """
 
-    def capture(step_fn: Any, *args: torch.Tensor, zero_grad: Any, warmup: int) -> _Replay:
+    def capture(step_fn: Any, *args: torch.Tensor, warmup: int) -> _Replay:
         seen.append(warmup)
         for _ in range(warmup):
-            zero_grad()
             step_fn(*args)
-        zero_grad()
-        side = zero_grad.__self__  # the side's bound zero_grad: its model's gradients
-        seen.append(all(p.grad is None for p in side.model.parameters()))  # set to None
-        with backend.capturing() if mark_capturing else contextlib.nullcontext():
+        with backend.capturing(), ooo_wrap.disabled() if inline else contextlib.nullcontext():
             return _Replay(step_fn(*args))
 
     return capture
 
 
-@pytest.mark.parametrize("mark_capturing", [True, False])
-def test_graphed_modes_record_whether_the_wrapper_bypassed_under_capture(
-    mark_capturing: bool,
+@pytest.mark.parametrize("inline", [False, True])
+def test_graphed_modes_record_where_the_wrapper_ran_its_stages_in_the_capture(
+    inline: bool,
 ) -> None:
     backend = SimulatedBackend()
     seen: list[Any] = []
@@ -672,29 +669,30 @@ def test_graphed_modes_record_whether_the_wrapper_bypassed_under_capture(
         backend=backend,
         planner="static",
         modes=["wrapped_graphed", "plain", "plain_graphed", "wrapped"],
-        capture=_simulated_capture(backend, mark_capturing=mark_capturing, seen=seen),
+        capture=_simulated_capture(backend, inline=inline, seen=seen),
         graph_warmup=2,
     )
-    # Two captures per graphed mode (memory phase, timing phase), each after 2 warm-ups and
-    # with the gradients cleared to None just before it.
-    assert seen == [2, True] * 4
+    assert seen == [2] * 4  # two captures per graphed mode (memory phase, timing phase)
     assert record["modes"] == ["plain", "wrapped", "plain_graphed", "wrapped_graphed"]
     assert record["failed_modes"] == {} and record["out_of_memory_modes"] == []
     plain_graphed, wrapped_graphed = record["plain_graphed"], record["wrapped_graphed"]
     for side in (plain_graphed, wrapped_graphed):
-        assert side["captured"] and side["capture_ms"] > 0
+        assert side["captured"] and side["capture_ms"] > 0 and side["graph_warmup_ms"] > 0
         assert len(side["warmup_ms"]) == 1 and len(side["first_steps_ms"]) == 1
-    assert "graph_capture_bypasses" not in plain_graphed and "active" not in plain_graphed
+    assert "capture_stage_calls" not in plain_graphed and "active" not in plain_graphed
     assert wrapped_graphed["active"] and wrapped_graphed["stages"] == 3
     assert "stats_per_step" not in wrapped_graphed  # replays run no hooks: nothing per step
-    if mark_capturing:  # today's wrapper: each of the 3 stage calls of the capture inline
-        assert wrapped_graphed["graph_capture_bypasses"] == 3
+    # Only the captured step is counted: the warm-up steps forked 3 stage calls each too.
+    if inline:
+        assert wrapped_graphed["capture_stage_calls"] == 0
+        assert wrapped_graphed["capture_bypasses"] == 3
         assert wrapped_graphed["wrapper_in_capture"] == "inline"
-        note = "wrapper bypassed under capture: stages inline (BYPASSED/graph_capture x3)"
-    else:
-        assert wrapped_graphed["graph_capture_bypasses"] == 0
+        note = "stages inline in the capture, not overlapped (3 stage calls bypassed)"
+    else:  # the wrapper: each of the 3 stage calls of the capture forked
+        assert wrapped_graphed["capture_stage_calls"] == 3
+        assert wrapped_graphed["capture_bypasses"] == 0
         assert wrapped_graphed["wrapper_in_capture"] == "side streams"
-        note = "no graph_capture bypass: stages on side streams inside the capture"
+        note = "stages on side streams inside the capture (3 stage calls forked)"
     assert set(record["speedups"]) == {"wrapped", "plain_graphed", "wrapped_graphed"}
     assert record["graphed_speedup"] == pytest.approx(
         plain_graphed["median_ms"] / wrapped_graphed["median_ms"]
@@ -702,11 +700,72 @@ def test_graphed_modes_record_whether_the_wrapper_bypassed_under_capture(
     rows = report.modes_table([record]).splitlines()[2:]
     assert [row.split(" | ")[3] for row in rows] == record["modes"]
     assert note in rows[3] and "speedup vs plain_graphed" in rows[3]
-    assert "captured in" in rows[2] and "3 waits / 6 record_streams" in rows[1]
+    assert "captured in" in rows[2] and "ms of warm-up" in rows[2]
+    assert "3 waits / 6 record_streams" in rows[1]
 
 
-def test_a_mode_that_cannot_capture_is_failed_with_its_error_not_dropped() -> None:
-    # The real capture on a CPU: no CUDA, so both graphed modes fail; eager is measured.
+@pytest.mark.parametrize(
+    ("stages", "forked", "inline", "where"),
+    [
+        (0, 0, 0, "no stages"),
+        (3, 3, 0, "side streams"),
+        (3, 0, 3, "inline"),
+        (3, 2, 1, "partly inline"),
+        (3, 0, 0, "no stage calls"),
+    ],
+)
+def test_where_the_capture_ran_the_stages_follows_the_counters(
+    stages: int, forked: int, inline: int, where: str
+) -> None:
+    from benchmarks import measure
+
+    assert measure._where_in_capture(stages, forked, inline) == where
+    side = {"wrapper_in_capture": where, "capture_stage_calls": forked, "capture_bypasses": inline}
+    assert report._capture_note(side) != "capture not recorded"
+
+
+def test_the_graphed_step_runs_autocast_without_its_cast_cache() -> None:
+    backend = SimulatedBackend()
+    phase = ["eager"]
+    caches: dict[str, set[bool]] = {}
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_autocast_enabled("cpu"):
+            caches.setdefault(phase[0], set()).add(torch.is_autocast_cache_enabled())
+
+    capture = _simulated_capture(backend, inline=False, seen=[])
+
+    def graphed(step_fn: Any, *args: torch.Tensor, warmup: int) -> _Replay:
+        phase[0] = "graphed"
+        try:
+            return capture(step_fn, *args, warmup=warmup)
+        finally:
+            phase[0] = "eager"
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        record = measure_point(
+            Point(SMALL["towers"], 2, "bfloat16"),
+            CPU,
+            warmup=0,
+            steps=1,
+            mem_steps=1,
+            backend=backend,
+            planner="static",
+            modes=["plain", "wrapped", "wrapped_graphed"],
+            capture=graphed,
+            graph_warmup=2,
+        )
+    finally:
+        handle.remove()
+    assert record["failed_modes"] == {}
+    assert record["wrapped_graphed"]["wrapper_in_capture"] == "side streams"
+    assert caches == {"eager": {True}, "graphed": {False}}  # warm-up and captured step
+
+
+def test_a_mode_that_cannot_capture_is_failed_with_its_message_not_timed() -> None:
+    # The default capture is ooo_wrap.graphed_step; on a CPU it does not capture (no
+    # CUDA), so both graphed modes fail with its message; eager is measured.
     record = measure_point(
         Point(SMALL["towers"], 2, "float32"),
         CPU,
@@ -717,7 +776,10 @@ def test_a_mode_that_cannot_capture_is_failed_with_its_error_not_dropped() -> No
         planner="static",
         modes=list(MODES),
     )
-    error = "GraphCaptureError: CUDA graphs need a CUDA device; none is visible to PyTorch"
+    error = (
+        "NotCapturedError: no CUDA device: not captured; the warm-up steps and every call run "
+        "the step eagerly (reason: no_cuda)"
+    )
     assert record["failed_modes"] == {"plain_graphed": error, "wrapped_graphed": error}
     assert "plain_graphed" not in record and "wrapped_graphed" not in record
     assert record["wrapped"]["active"] and record["wrapped_overlap"]["active"]
@@ -726,11 +788,13 @@ def test_a_mode_that_cannot_capture_is_failed_with_its_error_not_dropped() -> No
     table = report.modes_table([record])
     assert table.count(f"**FAILED: {error}**") == 2
 
-    # A helper that ran the step eagerly instead of capturing it is a failure too.
+    # Another capture that ran the step eagerly instead: failed with its own message.
     class Eager:
         captured = False
-        reason = "no CUDA device"
+        reason = "not_on_cuda"
+        message = "the sample args are on cpu, not a CUDA device: not captured"
 
+    calls: list[int] = []
     record = measure_point(
         Point(SMALL["towers"], 2, "float32"),
         CPU,
@@ -738,11 +802,12 @@ def test_a_mode_that_cannot_capture_is_failed_with_its_error_not_dropped() -> No
         steps=1,
         mem_steps=1,
         modes=["plain", "wrapped", "plain_graphed"],
-        capture=lambda step_fn, *args, **kwargs: Eager(),
+        capture=lambda step_fn, *args, **kwargs: calls.append(1) or Eager(),
     )
     assert record["failed_modes"] == {
-        "plain_graphed": "GraphCaptureError: not captured: no CUDA device"
+        "plain_graphed": f"NotCapturedError: {Eager.message} (reason: not_on_cuda)"
     }
+    assert "plain_graphed" not in record and calls == [1]  # not made again to be timed
 
 
 def test_plain_or_wrapped_failing_still_fails_the_point(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -778,8 +843,11 @@ def test_mode_selection_on_the_command_line(capsys: pytest.CaptureFixture[str]) 
             suite.parse_args(["--modes", bad])
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        suite.parse_args(["--graphs", "--graph-warmup", "0"])
-    assert "--graph-warmup must be >= 1" in capsys.readouterr().err
+        suite.parse_args(["--graphs", "--graph-warmup", "1"])  # graphed_step needs 2
+    assert "--graph-warmup must be >= 2" in capsys.readouterr().err
+
+
+BOOM = "OOOError: capturing the step in a CUDA graph failed (boom)"  # graphed_step's error
 
 
 def _moded_measure(point: Point, device: torch.device, **kwargs: Any) -> dict[str, Any]:
@@ -792,7 +860,7 @@ def _moded_measure(point: Point, device: torch.device, **kwargs: Any) -> dict[st
         record[mode] = dict(record["wrapped"], median_ms=1.0)
         record["speedups"][mode] = 2.0
     if point.batch == 32:
-        record["failed_modes"]["plain_graphed"] = "GraphCaptureError: capture failed: boom"
+        record["failed_modes"]["plain_graphed"] = BOOM
         del record["plain_graphed"], record["speedups"]["plain_graphed"]
         record["out_of_memory_modes"].append("wrapped_overlap")
         del record["wrapped_overlap"], record["speedups"]["wrapped_overlap"]
@@ -814,9 +882,7 @@ def test_the_suite_files_each_modes_outcome_under_the_point(
     data = suite.run_gpu(args, [], device=CPU)
     name = "towers K=8 W=2048 D=4 batch={} float32"
     assert [r["modes"] for r in data["results"]] == [list(MODES)] * 3
-    assert data["errors"] == [
-        f"{name.format(32)} [plain_graphed]: GraphCaptureError: capture failed: boom"
-    ]
+    assert data["errors"] == [f"{name.format(32)} [plain_graphed]: {BOOM}"]
     assert data["out_of_memory"] == [f"{name.format(32)} [wrapped_overlap]"]
     assert data["fallbacks"] == [f"{name.format(64)} [wrapped_graphed]: DISABLED/cpu"]
     err = capsys.readouterr().err
@@ -826,10 +892,10 @@ def test_the_suite_files_each_modes_outcome_under_the_point(
     )
     text = report.render_report(data)
     assert f"Modes measured at every point: {', '.join(MODES)}" in text
-    assert "**FAILED: GraphCaptureError: capture failed: boom**" in text
+    assert f"**FAILED: {BOOM}**" in text
     assert "| wrapped_overlap | - | - | - | - | out of memory on this GPU |" in text
     assert "**not wrapped: DISABLED/cpu**" in text
-    assert f"- {name.format(32)} [plain_graphed]: GraphCaptureError" in text  # FAILED points
+    assert f"- {name.format(32)} [plain_graphed]: OOOError" in text  # FAILED points
 
 
 def test_a_run_of_plain_and_wrapped_has_no_modes_table(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -863,50 +929,33 @@ ENV = {
 }
 
 
-def test_capture_step_needs_cuda_and_a_warmup() -> None:
-    with pytest.raises(graphs.GraphCaptureError, match="need a CUDA device"):
-        graphs.capture_step(lambda x: x, torch.ones(1), zero_grad=lambda: None)
-    with pytest.raises(ValueError, match="warmup must be >= 1"):
-        graphs.capture_step(lambda x: x, torch.ones(1), zero_grad=lambda: None, warmup=0)
-
-
-def test_a_graphed_step_copies_its_arguments_in_and_replays() -> None:
-    class Graph:
-        replays = 0
-
-        def replay(self) -> None:
-            Graph.replays += 1
-
-    static = [torch.zeros(2), torch.zeros(2, dtype=torch.long)]
-    step = graphs.GraphedStep(Graph(), static, output="loss")  # type: ignore[arg-type]
-    assert step(torch.tensor([1.0, 2.0]), torch.tensor([3, 4])) == "loss"
-    assert static[0].tolist() == [1.0, 2.0] and static[1].tolist() == [3, 4]
-    assert Graph.replays == 1 and step.captured and step.reason is None
-    with pytest.raises(TypeError, match="expected 2 arguments, got 1"):
-        step(torch.zeros(2))
-    assert Graph.replays == 1
-
-
-def test_graph_capture_bypasses_counts_only_that_reason() -> None:
-    backend = SimulatedBackend()
-    model = ooo_wrap.OOOModule(
-        SMALL["towers"].build(), streams=3, backend=backend, planner="static"
-    )
-    x, _ = SMALL["towers"].make_batch(2)
-    assert graphs.graph_capture_bypasses(model) == 0
-    with backend.capturing():
-        model(x)
-        model(x)
-    with ooo_wrap.disabled():
-        model(x)  # bypassed too, for another reason: not counted
-    assert graphs.graph_capture_bypasses(model) == 2 * 3
-    assert graphs.graph_capture_bypasses(SMALL["towers"].build()) == 0  # never wrapped
-
-
 def test_a_mode_out_of_memory_is_listed_as_such_not_as_a_failure() -> None:
-    def too_big(*args: Any, **kwargs: Any) -> Any:
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory (graph pool)")
+    def warm_up_too_big(*args: Any, **kwargs: Any) -> Any:  # graphed_step lets it through
+        raise torch.OutOfMemoryError("CUDA out of memory (warm-up)")
 
+    def capture_too_big(*args: Any, **kwargs: Any) -> Any:  # graphed_step wraps it
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory (graph pool)")
+        except torch.OutOfMemoryError as error:
+            raise ooo_wrap.OOOError("capturing the step in a CUDA graph failed") from error
+
+    def capture_breaks(*args: Any, **kwargs: Any) -> Any:
+        raise ooo_wrap.OOOError("capturing the step in a CUDA graph failed (sync)")
+
+    for capture in (warm_up_too_big, capture_too_big):
+        record = measure_point(
+            Point(SMALL["towers"], 2, "float32"),
+            CPU,
+            warmup=0,
+            steps=1,
+            mem_steps=1,
+            modes=["plain", "wrapped", "plain_graphed"],
+            capture=capture,
+        )
+        assert record["out_of_memory_modes"] == ["plain_graphed"]
+        assert record["failed_modes"] == {}
+        table = report.modes_table([record])
+        assert "| plain_graphed | - | - | - | - | out of memory on this GPU |" in table
     record = measure_point(
         Point(SMALL["towers"], 2, "float32"),
         CPU,
@@ -914,9 +963,9 @@ def test_a_mode_out_of_memory_is_listed_as_such_not_as_a_failure() -> None:
         steps=1,
         mem_steps=1,
         modes=["plain", "wrapped", "plain_graphed"],
-        capture=too_big,
+        capture=capture_breaks,
     )
-    assert record["out_of_memory_modes"] == ["plain_graphed"] and record["failed_modes"] == {}
-    assert "| plain_graphed | - | - | - | - | out of memory on this GPU |" in report.modes_table(
-        [record]
-    )
+    assert record["out_of_memory_modes"] == []
+    assert record["failed_modes"] == {
+        "plain_graphed": "OOOError: capturing the step in a CUDA graph failed (sync)"
+    }

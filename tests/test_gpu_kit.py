@@ -94,8 +94,9 @@ def test_full_dry_run_keeps_a_failing_point_and_at_most_eight_files(tmp_path: Pa
     _assert_every_mode_measured(data, summary, float32_points=24, budget_s=110)
     assert {r["model"] for r in data["results"]} == {"towers", "branches", "transformer", "fanout"}
     failed = "transformer L=4 d=64 h=4 T=32 batch=8 float32 planner=dataflow [plain_graphed]"
-    assert f"- {failed}: GraphCaptureError: capture failed: stand-in" in summary
-    assert summary.count("**FAILED: GraphCaptureError: capture failed: stand-in**") == 24
+    error = "OOOError: capturing the step in a CUDA graph failed (stand-in)"
+    assert f"- {failed}: {error}" in summary
+    assert summary.count(f"**FAILED: {error}**") == 24
     # An import error in one module does not take the optional step down.
     optional = rows["(d) other cuda tests (optional)"]
     assert optional[0] == "FAIL" and optional[1].startswith("1 passed, 1 failed or errored")
@@ -148,7 +149,8 @@ def _assert_every_mode_measured(
         assert len(rows) == float32_points, (mode, len(rows))
     fanout = "| fanout N=16 W=128 D=2 [dataflow] | 256 | float32 | wrapped_graphed | 0.800"
     (row,) = [line for line in summary.splitlines() if line.startswith(fanout)]
-    assert "| 2.500x |" in row and "stages inline (BYPASSED/graph_capture x8)" in row
+    assert "| 2.500x |" in row
+    assert "stages on side streams inside the capture (8 stage calls forked)" in row
     assert "speedup vs plain_graphed 1.250x" in row
 
 
@@ -262,7 +264,7 @@ def test_bench_verdict(tmp_path: Path) -> None:
 
     assert verdict()[0] == gpu_kit.PASS
     assert verdict(errors=["p: boom"])[0] == gpu_kit.FAIL
-    mode = verdict(errors=["p planner=static [plain_graphed]: GraphCaptureError: x", "q: boom"])
+    mode = verdict(errors=["p planner=static [plain_graphed]: OOOError: x", "q: boom"])
     assert mode[0] == gpu_kit.FAIL  # a mode that could not be captured fails the step too
     assert "1 failed, 1 modes of measured points failed" in mode[1]
     assert verdict(fallbacks=["p: DISABLED/cpu"])[0] == gpu_kit.FAIL  # a fallback is no pass
