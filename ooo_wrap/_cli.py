@@ -2,7 +2,8 @@
 
 ``plan`` prints the plan table of the model a factory returns (the learned plan when
 ``--input`` shapes are given: one forward runs on the CPU under observation); ``check``
-runs the CPU race check on it. Exit status: 0 ok, 1 the check found something, 2 a usage
+runs the CPU race check on it (``--overlap-forward``, ``--capture`` as for
+``ooo_wrap.testing.check``). Exit status: 0 ok, 1 the check found something, 2 a usage
 error (one line on stderr, never a traceback).
 """
 
