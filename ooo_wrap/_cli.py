@@ -2,7 +2,8 @@
 
 ``plan`` prints the plan table of the model a factory returns (the learned plan when
 ``--input`` shapes are given: one forward runs on the CPU under observation); ``check``
-runs the CPU race check on it. Exit status: 0 ok, 1 the check found something, 2 a usage
+runs the CPU race check on it (``--overlap-forward``, ``--capture`` as for
+``ooo_wrap.testing.check``). Exit status: 0 ok, 1 the check found something, 2 a usage
 error (one line on stderr, never a traceback).
 """
 
@@ -99,6 +100,19 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     _add_model_arguments(check_parser)
     _add_input_arguments(check_parser, required=True)
     check_parser.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
+    check_parser.add_argument(
+        "--overlap-forward",
+        action="store_true",
+        help="check the wrapper with deferred forward joins, as "
+        "OOOModule(..., overlap_forward=True) runs it",
+    )
+    check_parser.add_argument(
+        "--capture",
+        action="store_true",
+        help="run the last step under a simulated CUDA graph capture (the earlier ones "
+        "eagerly, as warm-up); a broken capture rule is a finding (exit status 1). With "
+        "the dataflow planner it needs --steps 2 or more",
+    )
     check_parser.set_defaults(run=_run_check)
     return parser
 
@@ -214,7 +228,12 @@ def _run_check(args: argparse.Namespace) -> int:
             stages=args.stages,
             steps=args.steps,
             planner=args.planner,
+            overlap_forward=args.overlap_forward,
+            capture=args.capture,
         )
+    except testing.CaptureError as error:  # the model broke a capture rule: a finding
+        print(f"ooo_wrap check: FAILED under simulated graph capture: {_one_line(error)}")
+        return EXIT_FINDINGS
     except OOOError as error:
         raise UsageError(error) from None
     except Exception as error:  # the model itself failed: say so in one line

@@ -117,3 +117,19 @@ class T5Style(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.encoder(tokens) + self.decoder(tokens.flip(-1))
+
+
+class HostRead(nn.Module):
+    """Two stages; the host reads the first one's output (``.item()``): fine eagerly, but
+    a CUDA graph capture refuses a host read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 1)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.a(x).mean()
+        scale = 2.0 if s.item() > 0 else 3.0
+        out: torch.Tensor = self.b(x) * scale + s
+        return out

@@ -165,3 +165,16 @@ def test_the_verdict_counts_in_the_singular_and_plural() -> None:
     assert str(report).splitlines()[0] == (
         "ooo_wrap check: OK (1 step; 0 races, 0 allocator hazards, 0 parity mismatches)"
     )
+
+
+def test_the_verdict_says_the_forward_joins_were_deferred() -> None:
+    plain = check(Towers(), torch.randn(3, 6), planner="static")
+    assert not plain.overlap_forward and "deferred" not in str(plain)
+    report = check(Towers(), torch.randn(3, 6), planner="static", overlap_forward=True)
+    assert report.ok and report.overlap_forward, str(report)
+    assert str(report).startswith("ooo_wrap check: OK (2 steps, forward joins deferred; 0 races")
+    both = check(Towers(), torch.randn(3, 6), planner="static", overlap_forward=True, capture=True)
+    assert str(both).startswith(
+        "ooo_wrap check: OK (2 steps, the last one under simulated graph capture, "
+        "forward joins deferred; 0 races"
+    )

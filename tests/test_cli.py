@@ -99,6 +99,18 @@ ERRORS = [
         ["check", "examples.quickstart:build_model", "--input", "8x64", "--steps", "0"],
         "--steps must be a positive int",
     ),
+    (
+        [
+            "check",
+            "examples.quickstart:build_model",
+            "--input",
+            "8x64",
+            "--capture",
+            "--steps",
+            "1",
+        ],
+        "check(capture=True) with the dataflow planner needs steps >= 2",
+    ),
 ]
 
 

@@ -53,6 +53,43 @@ def test_a_finding_exits_1_and_prints_the_report() -> None:
     assert result.out.strip()
 
 
+def test_capture_checks_the_last_step_under_simulated_graph_capture() -> None:
+    argv = ["check", "examples.quickstart:build_model", "--input", "32x64"]
+    for extra in ([], ["--planner", "static", "--steps", "1"]):
+        result = run_cli(*argv, "--capture", *extra)
+        assert (result.status, result.err) == (0, ""), result.out
+        assert result.out.startswith("ooo_wrap check: OK ("), result.out
+        assert ", the last one under simulated graph capture;" in result.out.splitlines()[0]
+    assert "capture" not in run_cli(*argv).out.splitlines()[0]
+
+
+def test_a_broken_capture_rule_is_a_finding_in_one_line() -> None:
+    argv = ["check", "tests.cli_factories:HostRead", "--input", "4x8"]
+    eager = run_cli(*argv)
+    assert (eager.status, eager.err) == (0, ""), eager.out  # a host read is fine eagerly
+    result = run_cli(*argv, "--capture")
+    assert (result.status, result.err) == (1, "")
+    assert result.out.count("\n") == 1
+    assert result.out.startswith(
+        "ooo_wrap check: FAILED under simulated graph capture: host read "
+        "(aten._local_scalar_dense.default) during a graph capture"
+    )
+
+
+def test_overlap_forward_checks_deferred_joins() -> None:
+    argv = ["check", "examples.quickstart:build_model", "--input", "32x64"]
+    serial, deferred = run_cli(*argv), run_cli(*argv, "--overlap-forward")
+    assert (serial.status, deferred.status, deferred.err) == (0, 0, ""), deferred.out
+    assert serial.out.startswith("ooo_wrap check: OK (2 steps; 0 races")
+    assert deferred.out.startswith("ooo_wrap check: OK (2 steps, forward joins deferred; 0 races")
+    both = run_cli(*argv, "--overlap-forward", "--capture")
+    assert both.status == 0, both.out
+    assert both.out.startswith(
+        "ooo_wrap check: OK (2 steps, the last one under simulated graph capture, "
+        "forward joins deferred;"
+    )
+
+
 def test_a_model_that_falls_back_exits_1_saying_nothing_was_checked() -> None:
     result = run_cli(
         "check", "tests.cli_factories:single_stage", "--input", "2x4", "--planner", "static"

@@ -5,6 +5,7 @@ The real checker is exercised in test_cli_check.py.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -17,6 +18,9 @@ from examples import quickstart, transformer
 from ooo_wrap._cli import default_int_high, parse_shape
 from tests.cli_factories import TokensAndFeatures
 from tests.cli_helpers import run_cli
+
+REAL_CHECK = ooo_wrap.testing.check
+DEFAULTS = {"overlap_forward": False, "capture": False}
 
 
 class FakeReport:
@@ -64,14 +68,42 @@ def test_check_passes_a_plain_cpu_model_inputs_and_options(fake_check: FakeCheck
     assert next(model.parameters()).device.type == "cpu"
     assert [(x.shape, x.dtype) for x in inputs] == [(torch.Size([8, 64]), torch.float32)]
     expected = {"streams": 2, "stages": ["towers.0", "towers.1"], "steps": 3}
-    assert options == {**expected, "planner": "dataflow"}
+    assert options == {**expected, "planner": "dataflow", **DEFAULTS}
     run_cli("check", "examples.quickstart:build_model", "--input", "8x64")
     assert fake_check.calls[1][2] == {
         "streams": 4,
         "stages": None,
         "steps": 2,
         "planner": "dataflow",
+        **DEFAULTS,
     }
+
+
+def test_check_passes_overlap_forward_and_capture(fake_check: FakeCheck) -> None:
+    argv = ["check", "examples.quickstart:build_model", "--input", "8x64"]
+    run_cli(*argv, "--overlap-forward")
+    run_cli(*argv, "--capture")
+    run_cli(*argv, "--capture", "--overlap-forward", "--planner", "static")
+    passed = [call[2] for call in fake_check.calls]
+    assert [(o["overlap_forward"], o["capture"]) for o in passed] == [
+        (True, False),
+        (False, True),
+        (True, True),
+    ]
+    assert passed[2]["planner"] == "static"
+
+
+def test_every_option_of_check_but_loss_fn_is_passed_with_its_default(
+    fake_check: FakeCheck,
+) -> None:
+    # loss_fn is a callable: the command line cannot spell one, so it keeps its default.
+    parameters = inspect.signature(REAL_CHECK).parameters
+    options = {name: p.default for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert set(options) >= {"streams", "steps", "overlap_forward", "capture"}
+    assert options.pop("loss_fn") is None
+    run_cli("check", "examples.quickstart:build_model", "--input", "8x64")
+    ((_, _, passed),) = fake_check.calls
+    assert passed == options
 
 
 def test_check_gets_a_plain_model_from_a_factory_that_wraps(fake_check: FakeCheck) -> None:

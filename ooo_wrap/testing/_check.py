@@ -135,6 +135,7 @@ def check(
         notes=notes,
         steps=steps,
         captured=capture,
+        overlap_forward=overlap_forward,
         not_checked=_not_checked(
             wrapped, learned_on_last_step=planner == "dataflow" and steps == 1
         ),

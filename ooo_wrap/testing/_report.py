@@ -96,6 +96,8 @@ class CheckReport:
         steps: training steps run.
         captured: whether the last step ran under a simulated CUDA graph capture, whose
             rules held (a broken one raises ``CaptureError`` instead of reporting).
+        overlap_forward: whether the wrapper was checked with deferred forward joins
+            (``OOOModule(..., overlap_forward=True)``).
         not_checked: why nothing was checked, when the wrapper fell back (the model then
             ran with standard backward, so there were no side streams to check); ``None``
             when the wrapped model was checked.
@@ -117,6 +119,7 @@ class CheckReport:
     steps: int
     captured: bool = False
     not_checked: str | None = None
+    overlap_forward: bool = False
 
     @property
     def ok(self) -> bool:
@@ -135,7 +138,8 @@ class CheckReport:
         verdict = "OK" if self.ok else "FAILED"
         lines = [
             f"ooo_wrap check: {verdict} ({plural(self.steps, 'step')}"
-            f"{', the last one under simulated graph capture' if self.captured else ''}; "
+            f"{', the last one under simulated graph capture' if self.captured else ''}"
+            f"{', forward joins deferred' if self.overlap_forward else ''}; "
             f"{plural(len(self.races), 'race')}, "
             f"{plural(len(self.allocator_hazards), 'allocator hazard')}, "
             f"{plural(sum(not p.exact for p in self.parity), 'parity mismatch', 'es')})"
