@@ -5,12 +5,12 @@
 
 import logging
 
+from ._bypass import disabled
 from ._config import from_config
 from ._errors import OOOConfigError, OOOError
 from ._events import EventKind, OOOEvent
 from ._graphs import GraphedStep, graphed_step, make_graphed_callables
 from ._plan import Plan, Stage, plan
-from ._scheduler import disabled
 from ._stats import OOOStats
 from ._wrap import OOOModule, events_for, unwrap
 

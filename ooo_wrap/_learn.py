@@ -25,13 +25,13 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _plan
 from ._backend import Backend
+from ._bypass import eager_bypass_reason
 from ._cost import H200
 from ._dataflow import learn, learn_plan
 from ._errors import OOOConfigError
 from ._events import EventKind, OOOEvent
 from ._observe import CallRecord, Observer
 from ._plan import Plan, StageSource, plan, plural
-from ._scheduler import _eager_bypass_reason
 from ._stats import Counters
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class Learner:
         self.handles.clear()
 
     def _eligible(self) -> bool:
-        if not torch.is_grad_enabled() or _eager_bypass_reason() is not None:
+        if not torch.is_grad_enabled() or eager_bypass_reason() is not None:
             return False  # no backward to learn for, or the user asked for inline
         backend = self._backend
         return not backend.is_capturing(backend.current_stream(self._device))

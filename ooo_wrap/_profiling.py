@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._scheduler import Scheduler, _StageRuntime
+from ._inflight import StageRuntime
+from ._scheduler import Scheduler
 
 __all__ = ["ProfiledScheduler"]
 
@@ -29,7 +30,7 @@ class ProfiledScheduler(Scheduler):
     """
 
     def _stage_pre_hook(
-        self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
+        self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any
     ) -> None:
         if torch.compiler.is_compiling():
             return  # the plain hook does nothing there: no frame, no range in a graph
@@ -43,7 +44,7 @@ class ProfiledScheduler(Scheduler):
         frames[-1].profile_range = profile_range  # the frame just pushed
 
     def _stage_post_hook(
-        self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
+        self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
         if torch.compiler.is_compiling():
             return  # as the plain hook: nothing was opened

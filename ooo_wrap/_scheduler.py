@@ -36,14 +36,11 @@ two stage hooks, so a model wrapped without ``profile_ranges`` pays nothing for 
 from __future__ import annotations
 
 import collections
-import contextlib
-import copy
 import functools
 import inspect
 import logging
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn, SupportsIndex
 
 import torch
@@ -52,166 +49,25 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _deferred
 from ._backend import Backend, Stream
+from ._bypass import BYPASS_MESSAGES, eager_bypass_reason
 from ._compat import is_checkpoint_early_stop
 from ._errors import OOOError
 from ._events import EventKind, EventLog, OOOEvent
-from ._plan import Plan, Stage
+from ._inflight import (
+    NO_EVENTS,
+    Frame,
+    RootCall,
+    RootEvents,
+    StageRuntime,
+    pair_tied_stages,
+    stage_depth,
+    thread_state,
+)
+from ._plan import Plan
 from ._stats import Counters
 from ._tensors import storage_tensor, tensors_in
 
-__all__ = ["Scheduler", "disabled"]
-
-_BYPASS_MESSAGES = {
-    "compiling": "ran under torch.compile: stages run inline on the caller's stream (the "
-    "compiled path wins). Compiled calls are not counted (a count kept inside compiled code "
-    "would make it recompile every call), so this event is recorded once and stats leave "
-    "them out",
-    "tracing": "running under torch.jit.trace: stages run inline",
-    "disabled": "inside ooo_wrap.disabled(): stages run inline on the caller's stream",
-    "no_grad": "gradients are off (torch.no_grad or torch.inference_mode): there is no "
-    "backward to overlap, so stages run inline on the caller's stream",
-}
-
-
-class _Disabled(threading.local):
-    depth = 0
-
-
-_disabled = _Disabled()
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Run every wrapped model inline on the caller's stream, in this thread, for a while.
-
-    Useful for an A/B comparison on one model (evaluation under ``torch.no_grad()`` runs
-    inline already). It applies to forwards started inside it: the choice is made once
-    per forward, when the model is called. Bypassed stage calls are counted in
-    ``stats.bypasses`` and reported once as a ``BYPASSED`` event.
-
-    Example::
-
-        >>> with ooo_wrap.disabled():
-        ...     loss = model(x).sum()
-    """
-    _disabled.depth += 1
-    try:
-        yield
-    finally:
-        _disabled.depth -= 1
-
-
-class _StageRuntime:
-    """A planned stage bound to its stream object."""
-
-    __slots__ = ("device", "device_type", "name", "owner", "stream", "stream_index", "twin")
-
-    def __init__(self, owner: Scheduler, stage: Stage, stream: Stream) -> None:
-        self.owner = owner
-        self.name = stage.name
-        self.device = stage.device
-        self.device_type = stage.device.type
-        self.stream_index = stage.stream
-        self.stream = stream
-        # Under autocast, this stage as run on the stream of another stage it shares a
-        # weight with (see Scheduler.install); None when it shares none.
-        self.twin: _StageRuntime | None = None
-
-
-class _Frame:
-    """One stage call in flight on this thread; ``ambient is None`` when bypassed."""
-
-    # ``profile_range`` is set and read only by ProfiledScheduler's hooks, so plain frames
-    # never pay for it.
-    __slots__ = (
-        "ambient",
-        "events",
-        "inputs",
-        "module",
-        "outer_exception",
-        "profile_range",
-        "stage",
-    )
-    profile_range: torch.profiler.record_function
-    # Set only with overlap_forward: the inputs and their version counters at the call.
-    inputs: tuple[list[torch.Tensor], list[int]]
-
-    def __init__(
-        self,
-        stage: _StageRuntime,
-        module: nn.Module,
-        ambient: Stream | None,
-        events: list[Any],
-    ) -> None:
-        self.stage = stage
-        self.module = module
-        self.ambient = ambient
-        self.events = events  # the stage's [fork, join] events on this thread
-        # The exception being handled around the call, if any: the post-hook tells a
-        # stage that raised from one called inside an ``except`` block by comparing.
-        self.outer_exception = sys.exc_info()[1]
-
-
-class _Call:
-    """One call of a wrapped model's root in flight on this thread."""
-
-    __slots__ = (
-        "bypass",
-        "called",
-        "first_pending",
-        "module",
-        "owner",
-        "ran_inline",
-        "used",
-    )
-
-    def __init__(self, owner: Scheduler, module: nn.Module) -> None:
-        self.owner = owner
-        self.module = module
-        # Joins already pending on the thread (overlap_forward): not this call's to end.
-        self.first_pending = _deferred.pending_count() if owner.overlap_forward else 0
-        self.used: set[int] = set()  # stream indexes of the stages it ran
-        self.called: set[_StageRuntime] = set()  # the stages it ran on their streams
-        self.ran_inline = False  # some stage call was bypassed (ran on the caller's stream)
-        # Decided once for the whole call, at the root (cheaper than per stage call):
-        # disabled(), tracing, and no_grad / inference_mode, which leave no backward to
-        # overlap. A stage's own no_grad inside a training forward (reentrant checkpoint
-        # runs its first forward so) still forks, as its recomputation will. With
-        # overlap_forward, a no_grad forward has stages to overlap, so it forks too.
-        self.bypass = _eager_bypass_reason()
-        if self.bypass is None and not torch.is_grad_enabled() and not owner.overlap_forward:
-            self.bypass = "no_grad"
-
-
-class _ThreadState(threading.local):
-    """What is in flight on one thread, for every wrapped model at once.
-
-    Shared by all schedulers, so that the hooks of two wrapped models on one module (a
-    stage module shared by both) can tell whose call it is: a stage hook acts only for the
-    innermost root call in flight, or, outside any root call (e.g. a checkpoint
-    recomputing a stage in backward), only if no other model already forked this call.
-    """
-
-    def __init__(self) -> None:
-        self.frames: list[_Frame] = []  # stage calls in flight, innermost last
-        self.calls: list[_Call] = []  # root calls in flight, innermost last
-        # Each stage's [fork, join] events, made on first use and re-recorded on every call
-        # after (creating an event costs a driver call). Per thread: each record is
-        # followed at once by its wait, so within a thread a re-record never moves a
-        # pending wait (a queued wait keeps the state it saw), but another thread's could.
-        self.events: dict[_StageRuntime, list[Any]] = {}
-        self.unseen: list[str] = []  # type names tensors_in could not see into
-
-
-_thread_state = _ThreadState()
-_NO_EVENTS: list[Any] = []
-
-
-class _RootEvents(threading.local):
-    """Per thread, one reused event per side stream for the root's final joins."""
-
-    def __init__(self, streams: int) -> None:
-        self.events: list[Any] = [None] * streams
+__all__ = ["Scheduler"]
 
 
 class Scheduler:
@@ -232,11 +88,11 @@ class Scheduler:
         self.overlap_forward = overlap_forward
         self._device = plan.stages[0].device
         self._streams = tuple(streams)
-        self._stages = tuple(_StageRuntime(self, s, self._streams[s.stream]) for s in plan.stages)
+        self._stages = tuple(StageRuntime(self, s, self._streams[s.stream]) for s in plan.stages)
         self._events = events
         self._counters = counters
-        self._local = _thread_state
-        self._root_events = _RootEvents(len(self._streams))
+        self._local = thread_state
+        self._root_events = RootEvents(len(self._streams))
         self._unseen_reported: set[tuple[str, str]] = set()
         self._not_called_reported: set[str] = set()
         self._tied_weights = False  # some stages share a parameter; set by install()
@@ -253,7 +109,7 @@ class Scheduler:
         handles.append(
             model.register_forward_hook(self._root_post_hook, with_kwargs=True, always_call=True)
         )
-        self._tied_weights = _pair_tied_stages(model, self._stages)
+        self._tied_weights = pair_tied_stages(model, self._stages)
         deferring = self.overlap_forward
         for stage in self._stages:
             module = model.get_submodule(stage.name)
@@ -292,7 +148,7 @@ class Scheduler:
         local = self._local
         if local.frames or local.calls:
             _drop_stale_calls(module)
-        local.calls.append(_Call(self, module))
+        local.calls.append(RootCall(self, module))
 
     def _root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -305,7 +161,7 @@ class Scheduler:
             # 5. (deferred) The waits below cover every join this call left pending.
             _deferred.suspend()
             _deferred.finish(call.first_pending, self)
-            _deferred.resume(len(self._local.frames), _level)
+            _deferred.resume(len(self._local.frames), stage_depth)
         # Only after a forward that returned (and ran no stage inline) is a missing stage news.
         if (
             len(call.called) < len(self._stages)
@@ -334,7 +190,7 @@ class Scheduler:
         """
         self._not_called_reported.update(stage.name for stage in self._stages)
 
-    def _report_not_called(self, called: set[_StageRuntime]) -> None:
+    def _report_not_called(self, called: set[StageRuntime]) -> None:
         """Say once per stage that a forward finished without calling it: its hooks never
         ran, so it never ran on its stream (a grouping module forward does not call, or
         a branch this forward did not take)."""
@@ -356,7 +212,7 @@ class Scheduler:
             )
 
     def _stage_pre_hook(
-        self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
+        self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any
     ) -> None:
         if torch.compiler.is_compiling():
             return  # inline in the compiled graph; the root pre-hook noted it
@@ -371,17 +227,17 @@ class Scheduler:
         elif frames and frames[-1].module is module and frames[-1].stage.owner is not self:
             return  # outside any forward, a model sharing this module already forked
         else:
-            reason = _eager_bypass_reason()
+            reason = eager_bypass_reason()
         backend = self._backend
         if reason is not None:
             if _deferred.pending_count():
                 # It runs on the caller's stream, one level down where no touch is seen:
                 # join first what is pending there (this model's, or another's with
                 # overlap_forward whose forward calls this model).
-                _deferred.join_before_inline(len(frames), _level)
+                _deferred.join_before_inline(len(frames), stage_depth)
             self._counters.bypasses += 1
             self._bypass_event(reason)
-            frames.append(_Frame(stage, module, None, _NO_EVENTS))
+            frames.append(Frame(stage, module, None, NO_EVENTS))
             if calls:
                 call.ran_inline = True
             return
@@ -428,7 +284,7 @@ class Scheduler:
             self._counters.waits += _deferred.wait_for_inputs(stream, backend, inputs)
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
-        frame = _Frame(stage, module, ambient, events)
+        frame = Frame(stage, module, ambient, events)
         if self.overlap_forward:
             frame.inputs = (inputs, _deferred.versions(inputs))
         frames.append(frame)
@@ -440,7 +296,7 @@ class Scheduler:
         counters.record_streams += recorded
 
     def _stage_post_hook(
-        self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
+        self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
         if torch.compiler.is_compiling():
             return
@@ -507,7 +363,7 @@ class Scheduler:
             )
 
     def _deferring_pre_hook(
-        self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any
+        self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any
     ) -> None:
         if torch.compiler.is_compiling():
             return  # inline in the compiled graph, nothing deferred
@@ -515,10 +371,10 @@ class Scheduler:
         try:
             self._stage_pre_hook(stage, module, args, kwargs)
         finally:
-            _deferred.resume(len(self._local.frames), _level)
+            _deferred.resume(len(self._local.frames), stage_depth)
 
     def _deferring_post_hook(
-        self, stage: _StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
+        self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
         if torch.compiler.is_compiling():
             return  # inline in the compiled graph, nothing deferred
@@ -526,9 +382,9 @@ class Scheduler:
         try:
             self._stage_post_hook(stage, module, args, kwargs, output)
         finally:
-            _deferred.resume(len(self._local.frames), _level)
+            _deferred.resume(len(self._local.frames), stage_depth)
 
-    def _report_unseen(self, stage: _StageRuntime, unseen: list[str]) -> None:
+    def _report_unseen(self, stage: StageRuntime, unseen: list[str]) -> None:
         """Record once per (stage, type) an input or output the hooks could not search."""
         for name in unseen:
             if (stage.name, name) not in self._unseen_reported:
@@ -550,14 +406,9 @@ class Scheduler:
 
     def _bypass_event(self, reason: str, count: int = 1) -> None:
         self._events.add(
-            OOOEvent(EventKind.BYPASSED, reason, _BYPASS_MESSAGES[reason], count=count),
+            OOOEvent(EventKind.BYPASSED, reason, BYPASS_MESSAGES[reason], count=count),
             level=logging.INFO,
         )
-
-
-def _level() -> int:
-    """Stage calls in flight on this thread: the level of code running now."""
-    return len(_thread_state.frames)
 
 
 def _drop_stale_calls(root: nn.Module) -> None:
@@ -578,7 +429,7 @@ def _drop_stale_calls(root: nn.Module) -> None:
             executing[id(frame.f_locals.get("self"))] += 1
         frame = frame.f_back
     executing[id(root)] -= 1  # the call starting now
-    local = _thread_state
+    local = thread_state
     stale_calls = _stale_suffix(local.calls, executing.copy())
     stale_frames = _stale_suffix(local.frames, executing)
     if not stale_calls and not stale_frames:
@@ -592,7 +443,7 @@ def _drop_stale_calls(root: nn.Module) -> None:
         outermost.stage.owner._backend.set_stream(outermost.ambient)
     _deferred.suspend()
     _deferred.join_from(len(local.frames))  # what the interrupted calls left pending
-    _deferred.resume(len(local.frames), _level)
+    _deferred.resume(len(local.frames), stage_depth)
     for owner in owners.values():
         owner._events.add(
             OOOEvent(
@@ -603,36 +454,6 @@ def _drop_stale_calls(root: nn.Module) -> None:
             ),
             level=logging.INFO,
         )
-
-
-def _pair_tied_stages(model: nn.Module, stages: Sequence[_StageRuntime]) -> bool:
-    """Give each stage that shares a parameter with an earlier one a twin on its stream.
-
-    Autocast caches the low-precision copy of a weight for the rest of the autocast
-    region. With a weight tied across two stages, the copy cast in one stage (allocated
-    on its stream) would be read by the other on another stream, with no
-    ``record_stream``: freed into the first stream's pool while the second may still read
-    it in backward. Under autocast such stages run on one stream (the first one's): the
-    copy is then made and read on that stream only, and the graph and its gradients are
-    exactly the plain model's. The cost: no backward overlap between those stages under
-    autocast. Returns whether any stage got a twin.
-    """
-    first_user: dict[int, _StageRuntime] = {}
-    leader: dict[_StageRuntime, _StageRuntime] = {}
-    for stage in stages:
-        leader[stage] = stage
-        for parameter in model.get_submodule(stage.name).parameters():
-            other = first_user.setdefault(id(parameter), stage)
-            if other is not stage and leader[stage] is stage:
-                leader[stage] = leader[other]
-    paired = False
-    for stage, lead in leader.items():
-        if lead is not stage and lead.stream_index != stage.stream_index:
-            twin = copy.copy(stage)
-            twin.stream, twin.stream_index, twin.twin = lead.stream, lead.stream_index, None
-            stage.twin = twin
-            paired = True
-    return paired
 
 
 def _stale_suffix(entries: list[Any], executing: collections.Counter[int]) -> list[Any]:
@@ -663,12 +484,3 @@ def _record_stream(
                 backend.record_stream(inner, stream)
             recorded += 1
     return recorded
-
-
-def _eager_bypass_reason() -> str | None:
-    if _disabled.depth:
-        return "disabled"
-    # Public API, but torch.jit does not re-export it in a way mypy sees as typed.
-    if torch.jit.is_tracing():  # type: ignore[attr-defined,no-untyped-call]
-        return "tracing"
-    return None

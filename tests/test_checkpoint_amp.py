@@ -264,7 +264,7 @@ def test_autocast_weight_tied_across_stages_passes_the_race_check() -> None:
 def test_without_sharing_a_stream_the_tied_autocast_copy_is_a_hazard(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(scheduler_module, "_pair_tied_stages", lambda model, stages: False)
+    monkeypatch.setattr(scheduler_module, "pair_tied_stages", lambda model, stages: False)
     report = check(TiedAcrossStages(), torch.randn(5, 12), streams=2, planner="static")
     assert any(
         (h.allocated_on, h.access.stream, h.access.stage) == ("side1", "side2", "b")

@@ -1,0 +1,65 @@
+"""When stage calls run inline on the caller's stream: the reasons and ``disabled()``.
+
+A bypassed stage call runs where its caller runs, with no stream switch, event or
+``record_stream``; the scheduler counts it in ``stats.bypasses`` and reports each reason
+once as a ``BYPASSED`` event with the message below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["BYPASS_MESSAGES", "disabled", "eager_bypass_reason"]
+
+BYPASS_MESSAGES = {
+    "compiling": "ran under torch.compile: stages run inline on the caller's stream (the "
+    "compiled path wins). Compiled calls are not counted (a count kept inside compiled code "
+    "would make it recompile every call), so this event is recorded once and stats leave "
+    "them out",
+    "tracing": "running under torch.jit.trace: stages run inline",
+    "disabled": "inside ooo_wrap.disabled(): stages run inline on the caller's stream",
+    "no_grad": "gradients are off (torch.no_grad or torch.inference_mode): there is no "
+    "backward to overlap, so stages run inline on the caller's stream",
+}
+
+
+class _Disabled(threading.local):
+    depth = 0
+
+
+_disabled = _Disabled()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run every wrapped model inline on the caller's stream, in this thread, for a while.
+
+    Useful for an A/B comparison on one model (evaluation under ``torch.no_grad()`` runs
+    inline already). It applies to forwards started inside it: the choice is made once
+    per forward, when the model is called. Bypassed stage calls are counted in
+    ``stats.bypasses`` and reported once as a ``BYPASSED`` event.
+
+    Example::
+
+        >>> with ooo_wrap.disabled():
+        ...     loss = model(x).sum()
+    """
+    _disabled.depth += 1
+    try:
+        yield
+    finally:
+        _disabled.depth -= 1
+
+
+def eager_bypass_reason() -> str | None:
+    """Why stage calls starting now must run inline (``disabled()``, tracing), or ``None``."""
+    if _disabled.depth:
+        return "disabled"
+    # Public API, but torch.jit does not re-export it in a way mypy sees as typed.
+    if torch.jit.is_tracing():  # type: ignore[attr-defined,no-untyped-call]
+        return "tracing"
+    return None
