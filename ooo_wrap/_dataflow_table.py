@@ -6,6 +6,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ._plan import plural
+
 if TYPE_CHECKING:
     from ._dataflow import LearnedPlan
 
@@ -32,8 +34,9 @@ def render(learned: LearnedPlan) -> str:
     """Several lines: outcome, estimates (labelled), regions with their stages, edges."""
     streams = len({stage.stream for stage in learned.stages})
     lines = [
-        f"Learned plan ({learned.outcome}): {len(learned.stages)} stages in "
-        f"{len(learned.regions)} regions on {streams} side streams (max {learned.max_streams})"
+        f"Learned plan ({learned.outcome}): {plural(len(learned.stages), 'stage')} in "
+        f"{plural(len(learned.regions), 'region')} on {plural(streams, 'side stream')} "
+        f"(max {learned.max_streams})"
     ]
     if learned.outcome == "no_parallelism":
         lines.append(f"  nothing to overlap; longest chain: {format_chain(learned.longest_chain)}")

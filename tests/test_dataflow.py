@@ -187,6 +187,15 @@ def test_the_table_labels_estimates_with_the_reference_gpu(
     assert learned.fork_join_us == H200.fork_join_us * len(learned.stages)
 
 
+def test_the_table_header_counts_in_the_singular_and_plural() -> None:
+    # Regression: two towers, one leaving the caller's stream, printed "1 regions".
+    _, learned = learned_case("two_tower")
+    header = str(learned).splitlines()[0]
+    assert header.endswith(f"2 stages in 1 region on 1 side stream (max {learned.max_streams})"), (
+        header
+    )
+
+
 class InceptionTowers(nn.Module):
     """Three towers on one input, each an Inception block: regions inside a region."""
 
