@@ -186,20 +186,26 @@ def measure(
     }
 
 
+def overlap_sides(plain: nn.Module) -> dict[str, nn.Module]:
+    """``plain`` and two wrapped copies, eager joins and ``overlap_forward=True``, both with
+    the static plan: the default ``dataflow`` planner would find these one-op stages too
+    small to fork, learn ``no_parallelism`` and remove every hook, timing nothing."""
+    return {
+        "plain": plain,
+        "eager": ooo_wrap.OOOModule(copy.deepcopy(plain), backend=NullBackend(), planner="static"),
+        "overlap": ooo_wrap.OOOModule(
+            copy.deepcopy(plain), backend=NullBackend(), planner="static", overlap_forward=True
+        ),
+    }
+
+
 def measure_overlap(repeats: int = 30, calls: int = 200, warmup: int = 200) -> dict[str, Any]:
     """Per model of ``MODELS``: median µs per plain forward and µs added per stage call
     with eager joins and with ``overlap_forward=True``, all interleaved."""
     results: dict[str, Any] = {}
     x = torch.ones(1)
     for name, factory in MODELS.items():
-        plain = factory()
-        sides = {
-            "plain": plain,
-            "eager": ooo_wrap.OOOModule(copy.deepcopy(plain), backend=NullBackend()),
-            "overlap": ooo_wrap.OOOModule(
-                copy.deepcopy(plain), backend=NullBackend(), overlap_forward=True
-            ),
-        }
+        sides = overlap_sides(factory())
         for model in sides.values():
             _time_forwards(model, x, warmup)
         times: dict[str, list[float]] = {side: [] for side in sides}

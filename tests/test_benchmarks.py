@@ -969,3 +969,20 @@ def test_a_mode_out_of_memory_is_listed_as_such_not_as_a_failure() -> None:
     assert record["failed_modes"] == {
         "plain_graphed": "OOOError: capturing the step in a CUDA graph failed (sync)"
     }
+
+
+@pytest.mark.parametrize("name", sorted(overhead.MODELS))
+def test_every_wrapped_side_of_the_overhead_benchmarks_runs_its_hooks(name: str) -> None:
+    # Regression: with the default dataflow planner these one-op stages learned
+    # no_parallelism on the first forward and lost every hook, so --overlap-forward and
+    # --compare-with timed plain forwards and reported about 0 µs added per stage call.
+    x = torch.ones(1)
+    sides = overhead.overlap_sides(overhead.MODELS[name]())
+    sides["other"] = overhead._wrap_static(ooo_wrap, overhead.MODELS[name]())
+    for side, model in sides.items():
+        if side == "plain":
+            continue
+        model(x)
+        model(x)
+        assert model.stats.stage_calls == 2 * overhead.NUM_STAGES, (side, model.stats)
+    assert sides["overlap"].stats.joins > 0
