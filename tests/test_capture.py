@@ -125,6 +125,39 @@ def test_a_host_read_inside_a_capture_fails(found: Detection, read: str) -> None
             host_read(x)
 
 
+DATA_DEPENDENT = {
+    "nonzero": lambda x: torch.nonzero(x),
+    "where one arg": lambda x: torch.where(x > 0),
+    "boolean mask": lambda x: x[x > 0],
+    "boolean mask write": lambda x: x.clone().index_put_((x > 0,), torch.tensor(0.0)),
+    "masked_select": lambda x: torch.masked_select(x, x > 0),
+    "unique": lambda x: torch.unique(x),
+    "repeat_interleave": lambda x: torch.repeat_interleave(torch.tensor([1, 2])),
+    "equal": lambda x: torch.equal(x, x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATA_DEPENDENT))
+def test_an_op_whose_output_size_depends_on_the_data_fails(found: Detection, name: str) -> None:
+    # On a GPU each waits for the device to learn its result: a host sync, which a
+    # capture refuses; on the CPU nothing waits, so the simulation knows them by name.
+    b = found.backend
+    x = torch.tensor([1.0, -1.0, 2.0, 0.0])
+    with pytest.raises(CaptureError, match="depends on the data"), b.capturing():
+        DATA_DEPENDENT[name](x)
+
+
+def test_fixed_size_forms_of_those_ops_are_captured(found: Detection) -> None:
+    b = found.backend
+    x = torch.tensor([1.0, -1.0, 2.0, 0.0])
+    with b.capturing():
+        x[torch.tensor([0, 2])]  # integer indices: the output size is the index's
+        torch.where(x > 0, x, torch.zeros(()))  # three arguments: elementwise
+        torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)
+        torch.nonzero_static(x, size=4)
+    assert found.ok and found.captures == 1
+
+
 def test_captures_do_not_nest(found: Detection) -> None:
     b = found.backend
     with pytest.raises(CaptureError, match="already underway"), b.capturing(), b.capturing():

@@ -191,8 +191,10 @@ def test_a_wait_costs_the_host_and_implied_waits_draw_no_arrow() -> None:
     assert 3 * LAUNCH + 2 * FORK <= LAUNCH + 20
 
 
-def test_a_host_sync_holds_the_host_and_views_take_no_time() -> None:
-    sync = OpRecord(1, "s0", 0, "aten._local_scalar_dense.default", None, "step", 10.0, ((0, 2),))
+@pytest.mark.parametrize("sync_op", ["aten._local_scalar_dense.default", "aten.nonzero.default"])
+def test_a_host_sync_holds_the_host_and_views_take_no_time(sync_op: str) -> None:
+    # nonzero: its output size is data, so on a GPU the host waits for it as for .item()
+    sync = OpRecord(1, "s0", 0, sync_op, None, "step", 10.0, ((0, 2),))
     view = OpRecord(2, "s1", 1, "aten.empty.memory_format", None, "step", 0.0, ((1, 1),))
     records = [_op(0, 0, 100.0, {0: 1}), sync, view, _op(3, 1, 10.0, {1: 2})]
     slots = lay_out(records).slots

@@ -21,7 +21,7 @@ from .._intercept import OpInterceptor, intercept_new_threads
 from .._tensors import tensors_in
 from ._capture import SimulatedCapture, simulated_capture
 from ._engine import EngineModel
-from ._ops import TensorUse, is_view_only, storage_key, tensor_uses, written_keys
+from ._ops import TensorUse, is_view_only, storage_key, syncs_host, tensor_uses, written_keys
 from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
 from ._tracker import Access, AllocatorHazard, Clock, OpRecord, Phase, Race, StreamTracker
 
@@ -224,7 +224,7 @@ class Detection:
             else:
                 stream, stage = self.stream_now(), self._stage_now()
             cost = estimate_op(func, args, kwargs, out).device_us
-            self._record(str(func), stream, stage, uses, cost)
+            self._record(str(func), stream, stage, uses, cost, syncs_host(func, args, kwargs))
             self._engine.created(tensors_in(out), stream, stage)
 
     def _host_read(self, tensor: torch.Tensor) -> None:
@@ -234,7 +234,7 @@ class Detection:
             uses = [] if key is None else [TensorUse(tensor, key, is_write=False, fresh=False)]
             # The device-to-host copy, costed as the copy op it is.
             cost = estimate_op(torch.ops.aten._to_copy.default, (tensor,), {}, tensor).device_us
-            self._record("host_read", self.stream_now(), self._stage_now(), uses, cost)
+            self._record("host_read", self.stream_now(), self._stage_now(), uses, cost, True)
 
     def _stage_now(self) -> str | None:
         if self._engine.in_backward:
@@ -248,10 +248,11 @@ class Detection:
         stage: str | None,
         uses: list[TensorUse],
         cost_us: float,
+        syncs: bool,
     ) -> None:
         tracker = self.tracker
         if self.capture is not None:
-            self.capture.op(op, stream)
+            self.capture.op(op, stream, syncs)
         tracker.tick(stream)
         seq = len(self._records)
         phase: Phase = "backward" if self._engine.in_backward else self._phase

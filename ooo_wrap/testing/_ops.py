@@ -11,11 +11,13 @@ import torch
 from .._tensors import tensors_in
 
 __all__ = [
+    "DATA_DEPENDENT_OPS",
     "HOST_SYNC_OPS",
     "TensorUse",
     "byte_span",
     "is_view_only",
     "storage_key",
+    "syncs_host",
     "tensor_uses",
     "unwrap",
     "written_keys",
@@ -24,6 +26,48 @@ __all__ = [
 # Ops after which the host holds until the device is done: ``.item()`` (and what calls
 # it), and the detector's host_read().
 HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "host_read"})
+
+# Ops whose result the host must read before it can go on: the output's size depends on
+# the data (``nonzero`` and what is built on it), or the result is a Python value
+# (``equal``). On a GPU each is a host sync, which a graph capture refuses; on the CPU
+# nothing waits, so only the op's name tells.
+DATA_DEPENDENT_OPS = frozenset(
+    {
+        "aten.nonzero.default",
+        "aten.masked_select.default",
+        "aten._unique.default",
+        "aten._unique2.default",
+        "aten.unique_dim.default",
+        "aten.unique_consecutive.default",
+        "aten.bincount.default",
+        "aten.equal.default",
+        "aten.is_nonzero.default",
+    }
+)
+
+# Indexing with a boolean mask finds the mask's true elements (a nonzero inside the
+# kernel, below what the dispatcher shows).
+_INDEX_OPS = frozenset(
+    {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+)
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+def syncs_host(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether the op makes the host wait for the device on a GPU (see above)."""
+    name = str(func)
+    if name in HOST_SYNC_OPS or name in DATA_DEPENDENT_OPS:
+        return True
+    if name == "aten.repeat_interleave.Tensor":  # its output size, unless given
+        return kwargs.get("output_size") is None
+    if func._schema.name in _INDEX_OPS and len(args) > 1:
+        return any(
+            isinstance(index, torch.Tensor) and index.dtype in _MASK_DTYPES
+            for index in args[1]
+            if index is not None
+        )
+    return False
+
 
 # Tensors made from host data (torch.tensor, as_tensor, from_numpy, the scalar of
 # ``t[i] = 3``) are allocated outside the dispatcher, which shows them only as this
