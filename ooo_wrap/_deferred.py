@@ -69,8 +69,8 @@ __all__ = [
     "Pending",
     "defer",
     "finish",
-    "join_before_inline",
     "join_from",
+    "join_pending",
     "pending_count",
     "resume",
     "suspend",
@@ -239,9 +239,11 @@ def join_from(level: int, *, touched: bool = False) -> None:
         _state.by_storage.clear()
 
 
-def join_before_inline(level: int, depth_of: Callable[[], int]) -> None:
-    """Before a stage runs inline at ``level`` + 1 (bypassed), where :class:`JoinOnTouch`
-    does not look: queue the caller's wait for everything pending at ``level`` or deeper."""
+def join_pending(level: int, depth_of: Callable[[], int]) -> None:
+    """:func:`join_from` for a scheduler hook's own use: queue the caller's wait for
+    everything pending at ``level`` or deeper, with the mode kept quiet meanwhile (as
+    before a stage runs inline one level down, where :class:`JoinOnTouch` does not look,
+    or when an interrupted forward's leftovers are dropped)."""
     suspend()
     try:
         join_from(level)

@@ -234,7 +234,7 @@ class Scheduler:
                 # It runs on the caller's stream, one level down where no touch is seen:
                 # join first what is pending there (this model's, or another's with
                 # overlap_forward whose forward calls this model).
-                _deferred.join_before_inline(len(frames), stage_depth)
+                _deferred.join_pending(len(frames), stage_depth)
             self._counters.bypasses += 1
             self._bypass_event(reason)
             frames.append(Frame(stage, module, None, NO_EVENTS))
@@ -441,9 +441,7 @@ def _drop_stale_calls(root: nn.Module) -> None:
     del local.frames[len(local.frames) - len(stale_frames) :]
     if outermost is not None:
         outermost.stage.owner._backend.set_stream(outermost.ambient)
-    _deferred.suspend()
-    _deferred.join_from(len(local.frames))  # what the interrupted calls left pending
-    _deferred.resume(len(local.frames), stage_depth)
+    _deferred.join_pending(len(local.frames), stage_depth)  # what they left pending
     for owner in owners.values():
         owner._events.add(
             OOOEvent(

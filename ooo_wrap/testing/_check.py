@@ -66,9 +66,9 @@ def check(
             simulated CUDA graph capture, the earlier ones eagerly as warm-up, as
             ``torch.cuda.graph`` is used. The rules a real capture enforces are checked
             (every stream used joins through an event recorded during the capture and
-            rejoins before its end, no host read inside); parity with the plain copy
-            is still bitwise. With the ``dataflow`` planner it needs ``steps >= 2``:
-            the plan is learned on an eager first step.
+            rejoins before its end, no host read or other host sync inside); parity
+            with the plain copy is still bitwise. With the ``dataflow`` planner it needs
+            ``steps >= 2``: the plan is learned on an eager first step.
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.

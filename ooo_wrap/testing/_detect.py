@@ -224,7 +224,8 @@ class Detection:
             else:
                 stream, stage = self.stream_now(), self._stage_now()
             cost = estimate_op(func, args, kwargs, out).device_us
-            self._record(str(func), stream, stage, uses, cost, syncs_host(func, args, kwargs))
+            syncs = self.capture is not None and syncs_host(func, args, kwargs)
+            self._record(str(func), stream, stage, uses, cost, syncs)
             self._engine.created(tensors_in(out), stream, stage)
 
     def _host_read(self, tensor: torch.Tensor) -> None:
