@@ -12,7 +12,10 @@ is queued only when something could read the stage's results on the caller's str
    (``.item()``, ``.cpu()``, ``print``) and ``.data_ptr()`` included: ``JoinOnTouch``, a
    ``TorchFunctionMode``, joins everything pending at that level first. It is on the mode
    stack only while a join is pending at the current level; a stage's pre-hook takes it
-   off, so a stage's own ops never pass through it.
+   off, so a stage's own ops never pass through it. It goes under the modes already on
+   the stack, never on top of one, so a user's ``with SomeMode():`` around a stage call
+   pops its own mode when it ends; and whether it is on the stack is read from the stack
+   each time, so code that popped it cannot leave it off for good.
 3. The root's post-hook joins everything (its per-stream waits cover the pending
    events: each was recorded earlier on one of those streams). A stage called inside
    another stage's forward leaves its join pending at that inner level; it is completed
@@ -48,11 +51,11 @@ from typing import Any
 
 import torch
 
-# TorchFunctionMode is public (torch.overrides); which mode is on top of the stack has no
-# public query, and popping a mode that is not on top would remove someone else's. These
-# private functions are used only here: to pop ours only when it is on top, and to push
-# and pop it directly (what the mode's __enter__/__exit__ do, one Python call less, twice
-# per stage call).
+# TorchFunctionMode is public (torch.overrides), but a mode entered with ``with`` leaves by
+# popping the top of the thread's mode stack, whichever mode that is. Ours is put on and
+# taken off outside any ``with``, so it must never be on top of a user's mode, and the
+# stack has no public API to insert or remove below the top. These private functions (the
+# ones torch.overrides and torch.utils._device use to the same end) are used only here.
 from torch._C import (
     _get_function_stack_at,
     _len_torch_function_stack,
@@ -60,6 +63,10 @@ from torch._C import (
     _push_on_torch_function_stack,
 )
 from torch.overrides import TorchFunctionMode
+
+# ``torch.set_default_device`` keeps this mode at the very bottom and asserts it is there
+# when the default changes: ours goes just above it.
+from torch.utils._device import DeviceContext
 
 from ._backend import Backend, Event, Stream
 from ._stats import Counters
@@ -106,13 +113,14 @@ class Pending:
 
 
 class _State(threading.local):
-    """Per thread: the pending joins, their outputs' storages, and the mode if pushed."""
+    """Per thread: the pending joins, their outputs' storages, and the mode."""
 
     def __init__(self) -> None:
         self.pending: list[Pending] = []
         self.by_storage: dict[int, list[Pending]] = {}
+        # Made once per thread. Whether it is on the stack is read from the stack itself:
+        # other code may have popped it, or pushed back a saved stack holding it.
         self.mode: JoinOnTouch | None = None
-        self.pushed = False
         self.quiet = 0  # >0 inside a scheduler hook whose own tensor reads must not join
 
 
@@ -273,14 +281,11 @@ def pending_count() -> int:
 
 def suspend() -> None:
     """Start of a scheduler hook: its own tensor reads must not join. Takes the mode off
-    the stack when it is on top, else keeps it quiet until :func:`resume`."""
+    the stack, wherever it is, and keeps it quiet until :func:`resume`."""
     state = _state
     state.quiet += 1
-    if state.pushed:
-        depth = _len_torch_function_stack()
-        if depth and _get_function_stack_at(depth - 1) is state.mode:
-            _pop_torch_function_stack()
-            state.pushed = False
+    if state.mode is not None:
+        _take_off(state.mode)
 
 
 def resume(level: int, depth_of: Callable[[], int]) -> None:
@@ -288,9 +293,42 @@ def resume(level: int, depth_of: Callable[[], int]) -> None:
     ``level`` (the level the code after the hook runs at)."""
     state = _state
     state.quiet -= 1
-    if state.pushed or not state.pending or state.pending[-1].level < level:
+    if not state.pending or state.pending[-1].level < level:
         return
-    if state.mode is None:
-        state.mode = JoinOnTouch(depth_of)
-    _push_on_torch_function_stack(state.mode)
-    state.pushed = True
+    mode = state.mode
+    if mode is None:
+        mode = state.mode = JoinOnTouch(depth_of)
+    elif _position(mode) is not None:
+        return
+    _put_under(mode)
+
+
+def _position(mode: object) -> int | None:
+    """Where ``mode`` is on this thread's mode stack (0: the bottom), if it is."""
+    for index in range(_len_torch_function_stack()):
+        if _get_function_stack_at(index) is mode:
+            return index
+    return None
+
+
+def _take_off(mode: object) -> None:
+    """Remove ``mode`` from the stack, leaving every other mode where it was."""
+    index = _position(mode)
+    if index is None:
+        return  # someone else took it off already
+    above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack() - index)]
+    for other in reversed(above):
+        if other is not mode:
+            _push_on_torch_function_stack(other)
+
+
+def _put_under(mode: JoinOnTouch) -> None:
+    """Push ``mode`` below every mode on the stack (but the default device's): a user's
+    ``with`` block then pops its own mode when it ends, and its ops reach ours after
+    its mode ran."""
+    depth = _len_torch_function_stack()
+    bottom = 1 if depth and isinstance(_get_function_stack_at(0), DeviceContext) else 0
+    above = [_pop_torch_function_stack() for _ in range(depth - bottom)]
+    _push_on_torch_function_stack(mode)
+    for other in reversed(above):
+        _push_on_torch_function_stack(other)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 DIM = 8
 
@@ -249,4 +252,42 @@ class InPlaceFill(nn.Module):
         left = buf[:, :DIM]
         self.fill(x, left)
         out: torch.Tensor = self.c(buf)
+        return out
+
+
+class Counting(TorchFunctionMode):
+    """A user's own mode: counts the torch calls it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+class UserModeAround(nn.Module):
+    """The parent calls stage ``a`` inside a mode of its own and reads the output right
+    after leaving it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+        self.modes: list[Counting] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = Counting()
+        self.modes.append(mode)
+        with mode:
+            h = self.a(x)
+        y = h * 2
+        out: torch.Tensor = self.b(x) + y
         return out
