@@ -28,14 +28,21 @@ Memory: each stage output is still ``record_stream``\\ ed to the caller's stream
 stage's return, and each input to the stage's stream at its call, so the allocator keeps
 a block until every stream that may use it is done, pending or not.
 
+A stage's inputs or outputs the search cannot see into (``_tensors.tensors_in``: objects
+nested too deep, objects without attributes) cannot be tracked by storage: the stage then
+waits on every pending join, or is joined at once, so only overlap is lost there.
+
 What cannot be seen: work that never enters PyTorch's Python layer, such as a C++
 extension given a tensor at the caller's level; a stage reading another stage's pending
 output through an attribute rather than an argument; a stage writing in place into a
-tensor that a pending sibling reads. ``ooo_wrap.testing.check(..., overlap_forward=True)``
-reports the last two as races when the model does them, and parent code that orders a
-stream of its own after the caller's (``wait_stream``, an event) before its first touch:
-stream and event calls are no torch operations, so that order misses the pending join
-unless the touch runs on that stream (see ``join_from``).
+tensor that a pending sibling reads; a pending output read on another thread (the mode
+and the pending joins are the calling thread's); a read under
+``torch._C.DisableTorchFunction()``, which turns every mode off.
+``ooo_wrap.testing.check(..., overlap_forward=True)`` reports all but the first as races
+when the model does them (another thread's reads if the thread starts inside the check),
+and parent code that orders a stream of its own after the caller's (``wait_stream``, an
+event) before its first touch: stream and event calls are no torch operations, so that
+order misses the pending join unless the touch runs on that stream (see ``join_from``).
 
 Levels: ``level`` is the number of stage calls in flight on the thread (the scheduler's
 frame stack), so the caller's level of a stage is the level its post-hook sees after
@@ -191,9 +198,12 @@ def defer(
     owner: object,
     device: torch.device,
     outputs: list[torch.Tensor],
+    blind: bool = False,
 ) -> bool:
-    """Leave the caller's wait on ``event`` pending; ``False`` if it must be joined now."""
-    keys = _keys(outputs)
+    """Leave the caller's wait on ``event`` pending; ``False`` if it must be joined now:
+    also when ``blind`` (the search missed some of the stage's outputs or inputs, whose
+    storages then cannot be tracked)."""
+    keys = None if blind else _keys(outputs)
     if keys is None:
         return False
     entry = Pending(level, ambient, event, backend, counters, owner, device)
@@ -204,13 +214,16 @@ def defer(
     return True
 
 
-def wait_for_inputs(stream: Stream, backend: Backend, inputs: list[torch.Tensor]) -> int:
+def wait_for_inputs(
+    stream: Stream, backend: Backend, inputs: list[torch.Tensor], blind: bool = False
+) -> int:
     """Make ``stream`` wait on the pending join of every stage whose output (or a view of
-    it) is among ``inputs``; returns how many waits were queued."""
+    it) is among ``inputs`` (on every pending join when ``blind``: the search missed some
+    inputs); returns how many waits were queued."""
     by_storage = _state.by_storage
     if not by_storage:
         return 0
-    keys = _keys(inputs)
+    keys = None if blind else _keys(inputs)
     if keys is None:  # cannot tell which: wait on them all
         found = [p for p in _state.pending if not p.done]
     else:

@@ -270,7 +270,8 @@ class Scheduler:
         inputs = tensors_in(args, unseen)
         if kwargs:
             inputs += tensors_in(kwargs, unseen)
-        if unseen:
+        blind = bool(unseen)  # some input tensors may be missing from ``inputs``
+        if blind:
             self._report_unseen(stage, unseen)
         recorded = _record_stream(backend, inputs, stage.device, stream)
         # 1. s waits on everything queued on ambient so far.
@@ -281,12 +282,13 @@ class Scheduler:
         backend.wait_event(stream, fork)
         if self.overlap_forward:
             # 1b. ...and on the pending join of each stage whose output it receives.
-            self._counters.waits += _deferred.wait_for_inputs(stream, backend, inputs)
+            self._counters.waits += _deferred.wait_for_inputs(stream, backend, inputs, blind)
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
         frame = Frame(stage, module, ambient, events)
         if self.overlap_forward:
             frame.inputs = (inputs, _deferred.versions(inputs))
+            frame.blind = blind
         frames.append(frame)
         if calls:
             call.used.add(stage.stream_index)
@@ -316,7 +318,8 @@ class Scheduler:
                 # work, record_stream included (see step 2 for why that order).
                 unseen = local.unseen
                 outputs = tensors_in(output, unseen)
-                if unseen:
+                blind = bool(unseen)
+                if blind:
                     self._report_unseen(stage, unseen)
                 recorded = _record_stream(backend, outputs, stage.device, ambient)
                 events = frame.events
@@ -338,6 +341,7 @@ class Scheduler:
                     self,
                     stage.device,
                     outputs + _deferred.written(*frame.inputs),
+                    blind or frame.blind,
                 )
             ):
                 backend.wait_event(ambient, event)

@@ -112,6 +112,19 @@ def test_a_stage_reading_a_pending_output_through_an_attribute_is_reported() -> 
     assert check(om.AttributeEscape(), om.inputs(), planner="static").races == ()
 
 
+@pytest.mark.parametrize("factory", [om.ThreadRead, om.DisabledRead])
+def test_a_read_the_join_mode_cannot_see_is_reported(factory: type[nn.Module]) -> None:
+    """Documented limits that check() catches: a pending output read on another thread,
+    or under ``torch._C.DisableTorchFunction()``."""
+    report = check(factory(), om.inputs(), overlap_forward=True, planner="static")
+    assert any(
+        r.earlier.stage == "a" and (r.later.stream, r.later.op) == ("default", "aten.mul.Tensor")
+        for r in report.races
+    ), str(report)
+    assert check(factory(), om.inputs(), planner="static").ok  # eager joins order it
+    assert _idle()
+
+
 @pytest.mark.parametrize(
     "touch",
     [
@@ -409,4 +422,14 @@ def test_the_join_mode_stays_above_the_default_device_mode() -> None:
         assert _deferred.pending_count() == 0
     finally:
         torch.set_default_device(None)
+    assert _idle()
+
+
+@pytest.mark.parametrize("factory", [om.DeepFeed, om.DeepReturn])
+def test_a_pending_output_deeper_than_the_search_is_joined(factory: type[nn.Module]) -> None:
+    """Passed to the next stage nested too deep, or returned so: the hooks cannot track
+    it, so the next stage waits on every pending join, or the stage is joined at once.
+    (Its missing ``record_stream`` stays an allocator hazard, with an UNTRACKED event.)"""
+    report = check(factory(), om.inputs(), overlap_forward=True, planner="static")
+    assert report.races == (), str(report)
     assert _idle()
