@@ -12,7 +12,10 @@ is queued only when something could read the stage's results on the caller's str
    (``.item()``, ``.cpu()``, ``print``) and ``.data_ptr()`` included: ``JoinOnTouch``, a
    ``TorchFunctionMode``, joins everything pending at that level first. It is on the mode
    stack only while a join is pending at the current level; a stage's pre-hook takes it
-   off, so a stage's own ops never pass through it.
+   off, so a stage's own ops never pass through it. It goes under the modes already on
+   the stack, never on top of one, so a user's ``with SomeMode():`` around a stage call
+   pops its own mode when it ends; and whether it is on the stack is read from the stack
+   each time, so code that popped it cannot leave it off for good.
 3. The root's post-hook joins everything (its per-stream waits cover the pending
    events: each was recorded earlier on one of those streams). A stage called inside
    another stage's forward leaves its join pending at that inner level; it is completed
@@ -25,14 +28,21 @@ Memory: each stage output is still ``record_stream``\\ ed to the caller's stream
 stage's return, and each input to the stage's stream at its call, so the allocator keeps
 a block until every stream that may use it is done, pending or not.
 
+A stage's inputs or outputs the search cannot see into (``_tensors.tensors_in``: objects
+nested too deep, objects without attributes) cannot be tracked by storage: the stage then
+waits on every pending join, or is joined at once, so only overlap is lost there.
+
 What cannot be seen: work that never enters PyTorch's Python layer, such as a C++
 extension given a tensor at the caller's level; a stage reading another stage's pending
 output through an attribute rather than an argument; a stage writing in place into a
-tensor that a pending sibling reads. ``ooo_wrap.testing.check(..., overlap_forward=True)``
-reports the last two as races when the model does them, and parent code that orders a
-stream of its own after the caller's (``wait_stream``, an event) before its first touch:
-stream and event calls are no torch operations, so that order misses the pending join
-unless the touch runs on that stream (see ``join_from``).
+tensor that a pending sibling reads; a pending output read on another thread (the mode
+and the pending joins are the calling thread's); a read under
+``torch._C.DisableTorchFunction()``, which turns every mode off.
+``ooo_wrap.testing.check(..., overlap_forward=True)`` reports all but the first as races
+when the model does them (another thread's reads if the thread starts inside the check),
+and parent code that orders a stream of its own after the caller's (``wait_stream``, an
+event) before its first touch: stream and event calls are no torch operations, so that
+order misses the pending join unless the touch runs on that stream (see ``join_from``).
 
 Levels: ``level`` is the number of stage calls in flight on the thread (the scheduler's
 frame stack), so the caller's level of a stage is the level its post-hook sees after
@@ -48,11 +58,11 @@ from typing import Any
 
 import torch
 
-# TorchFunctionMode is public (torch.overrides); which mode is on top of the stack has no
-# public query, and popping a mode that is not on top would remove someone else's. These
-# private functions are used only here: to pop ours only when it is on top, and to push
-# and pop it directly (what the mode's __enter__/__exit__ do, one Python call less, twice
-# per stage call).
+# TorchFunctionMode is public (torch.overrides), but a mode entered with ``with`` leaves by
+# popping the top of the thread's mode stack, whichever mode that is. Ours is put on and
+# taken off outside any ``with``, so it must never be on top of a user's mode, and the
+# stack has no public API to insert or remove below the top. These private functions (the
+# ones torch.overrides and torch.utils._device use to the same end) are used only here.
 from torch._C import (
     _get_function_stack_at,
     _len_torch_function_stack,
@@ -60,6 +70,10 @@ from torch._C import (
     _push_on_torch_function_stack,
 )
 from torch.overrides import TorchFunctionMode
+
+# ``torch.set_default_device`` keeps this mode at the very bottom and asserts it is there
+# when the default changes: ours goes just above it.
+from torch.utils._device import DeviceContext
 
 from ._backend import Backend, Event, Stream
 from ._stats import Counters
@@ -106,13 +120,14 @@ class Pending:
 
 
 class _State(threading.local):
-    """Per thread: the pending joins, their outputs' storages, and the mode if pushed."""
+    """Per thread: the pending joins, their outputs' storages, and the mode."""
 
     def __init__(self) -> None:
         self.pending: list[Pending] = []
         self.by_storage: dict[int, list[Pending]] = {}
+        # Made once per thread. Whether it is on the stack is read from the stack itself:
+        # other code may have popped it, or pushed back a saved stack holding it.
         self.mode: JoinOnTouch | None = None
-        self.pushed = False
         self.quiet = 0  # >0 inside a scheduler hook whose own tensor reads must not join
 
 
@@ -183,9 +198,12 @@ def defer(
     owner: object,
     device: torch.device,
     outputs: list[torch.Tensor],
+    blind: bool = False,
 ) -> bool:
-    """Leave the caller's wait on ``event`` pending; ``False`` if it must be joined now."""
-    keys = _keys(outputs)
+    """Leave the caller's wait on ``event`` pending; ``False`` if it must be joined now:
+    also when ``blind`` (the search missed some of the stage's outputs or inputs, whose
+    storages then cannot be tracked)."""
+    keys = None if blind else _keys(outputs)
     if keys is None:
         return False
     entry = Pending(level, ambient, event, backend, counters, owner, device)
@@ -196,13 +214,16 @@ def defer(
     return True
 
 
-def wait_for_inputs(stream: Stream, backend: Backend, inputs: list[torch.Tensor]) -> int:
+def wait_for_inputs(
+    stream: Stream, backend: Backend, inputs: list[torch.Tensor], blind: bool = False
+) -> int:
     """Make ``stream`` wait on the pending join of every stage whose output (or a view of
-    it) is among ``inputs``; returns how many waits were queued."""
+    it) is among ``inputs`` (on every pending join when ``blind``: the search missed some
+    inputs); returns how many waits were queued."""
     by_storage = _state.by_storage
     if not by_storage:
         return 0
-    keys = _keys(inputs)
+    keys = None if blind else _keys(inputs)
     if keys is None:  # cannot tell which: wait on them all
         found = [p for p in _state.pending if not p.done]
     else:
@@ -273,14 +294,11 @@ def pending_count() -> int:
 
 def suspend() -> None:
     """Start of a scheduler hook: its own tensor reads must not join. Takes the mode off
-    the stack when it is on top, else keeps it quiet until :func:`resume`."""
+    the stack, wherever it is, and keeps it quiet until :func:`resume`."""
     state = _state
     state.quiet += 1
-    if state.pushed:
-        depth = _len_torch_function_stack()
-        if depth and _get_function_stack_at(depth - 1) is state.mode:
-            _pop_torch_function_stack()
-            state.pushed = False
+    if state.mode is not None:
+        _take_off(state.mode)
 
 
 def resume(level: int, depth_of: Callable[[], int]) -> None:
@@ -288,9 +306,42 @@ def resume(level: int, depth_of: Callable[[], int]) -> None:
     ``level`` (the level the code after the hook runs at)."""
     state = _state
     state.quiet -= 1
-    if state.pushed or not state.pending or state.pending[-1].level < level:
+    if not state.pending or state.pending[-1].level < level:
         return
-    if state.mode is None:
-        state.mode = JoinOnTouch(depth_of)
-    _push_on_torch_function_stack(state.mode)
-    state.pushed = True
+    mode = state.mode
+    if mode is None:
+        mode = state.mode = JoinOnTouch(depth_of)
+    elif _position(mode) is not None:
+        return
+    _put_under(mode)
+
+
+def _position(mode: object) -> int | None:
+    """Where ``mode`` is on this thread's mode stack (0: the bottom), if it is."""
+    for index in range(_len_torch_function_stack()):
+        if _get_function_stack_at(index) is mode:
+            return index
+    return None
+
+
+def _take_off(mode: object) -> None:
+    """Remove ``mode`` from the stack, leaving every other mode where it was."""
+    index = _position(mode)
+    if index is None:
+        return  # someone else took it off already
+    above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack() - index)]
+    for other in reversed(above):
+        if other is not mode:
+            _push_on_torch_function_stack(other)
+
+
+def _put_under(mode: JoinOnTouch) -> None:
+    """Push ``mode`` below every mode on the stack (but the default device's): a user's
+    ``with`` block then pops its own mode when it ends, and its ops reach ours after
+    its mode ran."""
+    depth = _len_torch_function_stack()
+    bottom = 1 if depth and isinstance(_get_function_stack_at(0), DeviceContext) else 0
+    above = [_pop_torch_function_stack() for _ in range(depth - bottom)]
+    _push_on_torch_function_stack(mode)
+    for other in reversed(above):
+        _push_on_torch_function_stack(other)

@@ -61,6 +61,7 @@ class Frame:
     # never pay for it.
     __slots__ = (
         "ambient",
+        "blind",
         "events",
         "inputs",
         "module",
@@ -69,8 +70,10 @@ class Frame:
         "stage",
     )
     profile_range: torch.profiler.record_function
-    # Set only with overlap_forward: the inputs and their version counters at the call.
+    # Set only with overlap_forward: the inputs and their version counters at the call,
+    # and whether the search missed some (a write into one could not be seen).
     inputs: tuple[list[torch.Tensor], list[int]]
+    blind: bool
 
     def __init__(
         self,

@@ -125,6 +125,11 @@ class Learner:
         handles.append(post)
         self.handles.append(post)
 
+    @property
+    def observing(self) -> bool:
+        """Whether a forward is being observed (its post-hook is still to run)."""
+        return self._observer is not None
+
     def remove(self, handles: list[RemovableHandle]) -> None:
         """Remove the two hooks, and their handles from ``handles``."""
         mine = {id(handle) for handle in self.handles}

@@ -67,7 +67,7 @@ from ._plan import Plan
 from ._stats import Counters
 from ._tensors import storage_tensor, tensors_in
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "running"]
 
 
 class Scheduler:
@@ -270,7 +270,8 @@ class Scheduler:
         inputs = tensors_in(args, unseen)
         if kwargs:
             inputs += tensors_in(kwargs, unseen)
-        if unseen:
+        blind = bool(unseen)  # some input tensors may be missing from ``inputs``
+        if blind:
             self._report_unseen(stage, unseen)
         recorded = _record_stream(backend, inputs, stage.device, stream)
         # 1. s waits on everything queued on ambient so far.
@@ -281,12 +282,13 @@ class Scheduler:
         backend.wait_event(stream, fork)
         if self.overlap_forward:
             # 1b. ...and on the pending join of each stage whose output it receives.
-            self._counters.waits += _deferred.wait_for_inputs(stream, backend, inputs)
+            self._counters.waits += _deferred.wait_for_inputs(stream, backend, inputs, blind)
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
         frame = Frame(stage, module, ambient, events)
         if self.overlap_forward:
             frame.inputs = (inputs, _deferred.versions(inputs))
+            frame.blind = blind
         frames.append(frame)
         if calls:
             call.used.add(stage.stream_index)
@@ -316,7 +318,8 @@ class Scheduler:
                 # work, record_stream included (see step 2 for why that order).
                 unseen = local.unseen
                 outputs = tensors_in(output, unseen)
-                if unseen:
+                blind = bool(unseen)
+                if blind:
                     self._report_unseen(stage, unseen)
                 recorded = _record_stream(backend, outputs, stage.device, ambient)
                 events = frame.events
@@ -338,6 +341,7 @@ class Scheduler:
                     self,
                     stage.device,
                     outputs + _deferred.written(*frame.inputs),
+                    blind or frame.blind,
                 )
             ):
                 backend.wait_event(ambient, event)
@@ -411,8 +415,9 @@ class Scheduler:
         )
 
 
-def _drop_stale_calls(root: nn.Module) -> None:
-    """Undo what interrupted forwards left behind on this thread, as ``root`` starts.
+def _drop_stale_calls(root: nn.Module | None) -> None:
+    """Undo what interrupted forwards left behind on this thread, as ``root`` starts (or
+    as ``replan()`` or ``unwrap()`` is called, with no root).
 
     ``always_call`` post-hooks run for an ``Exception`` but not for a bare
     ``BaseException`` such as ``KeyboardInterrupt``, so a stage interrupted that way
@@ -421,14 +426,9 @@ def _drop_stale_calls(root: nn.Module) -> None:
     one of its own stages); only the rest are stale. Walking the stack costs tens of
     microseconds, paid only when a root starts with something in flight.
     """
-    executing: collections.Counter[int] = collections.Counter()
-    call_impl = nn.Module._call_impl.__code__
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code is call_impl:
-            executing[id(frame.f_locals.get("self"))] += 1
-        frame = frame.f_back
-    executing[id(root)] -= 1  # the call starting now
+    executing = _executing()
+    if root is not None:
+        executing[id(root)] -= 1  # the call starting now
     local = thread_state
     stale_calls = _stale_suffix(local.calls, executing.copy())
     stale_frames = _stale_suffix(local.frames, executing)
@@ -448,10 +448,37 @@ def _drop_stale_calls(root: nn.Module) -> None:
                 EventKind.STAGE_FAILED,
                 "interrupted",
                 "an earlier forward was interrupted inside a stage (e.g. KeyboardInterrupt); "
-                "the caller's stream was restored when the next forward started",
+                "the caller's stream was restored when the model was next called, "
+                "replanned or unwrapped",
             ),
             level=logging.INFO,
         )
+
+
+def _executing() -> collections.Counter[int]:
+    """How many calls of each module (by id) are running on this thread's Python stack."""
+    executing: collections.Counter[int] = collections.Counter()
+    call_impl = nn.Module._call_impl.__code__
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is call_impl:
+            executing[id(frame.f_locals.get("self"))] += 1
+        frame = frame.f_back
+    return executing
+
+
+def running(root: nn.Module, scheduler: Scheduler | None, observed: bool = False) -> bool:
+    """Whether a call of ``root`` (observed by the dataflow planner when ``observed``), or
+    of one of ``scheduler``'s stages, is running on this thread. What interrupted
+    forwards left in flight is undone first: those calls are over."""
+    local = thread_state
+    if local.calls or local.frames:
+        _drop_stale_calls(None)
+    if any(call.module is root for call in local.calls) or any(
+        frame.stage.owner is scheduler for frame in local.frames
+    ):
+        return True
+    return observed and _executing()[id(root)] > 0
 
 
 def _stale_suffix(entries: list[Any], executing: collections.Counter[int]) -> list[Any]:

@@ -24,7 +24,7 @@ from ._learn import Learner, finish, named_stages, pending_plan
 from ._options import Planner, WrapOptions
 from ._plan import Plan, plan, plural
 from ._profiling import ProfiledScheduler
-from ._scheduler import Scheduler
+from ._scheduler import Scheduler, running
 from ._serialize import deepcopy_wrapped, reduce_wrapped
 from ._stats import Counters, OOOStats
 
@@ -173,7 +173,8 @@ class OOOModule(nn.Module):
 
         For models whose structure changes (MoE routing, auxiliary heads switched on).
         Call it between forwards: the scheduler's hooks are removed now, and the next
-        training forward runs inline while it is observed.
+        training forward runs inline while it is observed. Raises :class:`OOOError`
+        inside a forward of the model (it changes nothing then).
         """
         replan(self)
 
@@ -186,7 +187,8 @@ class OOOModule(nn.Module):
         """Remove every hook and restore the model's class; returns the plain model.
 
         Calling it again (or on a model that is not wrapped) does nothing. Raises
-        :class:`OOOConfigError` if ``fully_shard(model)`` was applied after wrapping.
+        :class:`OOOConfigError` if ``fully_shard(model)`` was applied after wrapping, and
+        :class:`OOOError` inside a forward of the model (it changes nothing then).
         """
         return unwrap(self)
 
@@ -223,6 +225,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             f"{state.original_class.__name__} would drop that wrapper. Unwrap before "
             "applying it, or apply it first and OOOModule last"
         )
+    _refuse_inside_forward(model, state, "unwrap()")
     del _wrapped[model]
     for handle in state.handles:
         handle.remove()
@@ -408,6 +411,7 @@ def replan(model: nn.Module) -> None:
             "replan() learns the plan from the dataflow, but this model was wrapped with "
             "planner='static'; unwrap it and wrap it again with planner='dataflow'"
         )
+    _refuse_inside_forward(model, state, "replan()")
     if state.learner is not None:
         return  # not learned yet: the next training forward learns it anyway
     for handle in state.handles:
@@ -422,6 +426,21 @@ def replan(model: nn.Module) -> None:
         OOOEvent(EventKind.PLANNED, "replan", "the plan is learned again on the next forward"),
         level=logging.INFO,
     )
+
+
+def _refuse_inside_forward(model: nn.Module, state: _WrapState, call: str) -> None:
+    """Refuse ``call`` while a forward of ``model`` runs on this thread: it removes the
+    hooks, so the post-hook of the stage running now (which restores the caller's
+    stream) or of the root (which ends the planner's observation) would never run."""
+    learner = state.learner
+    if running(model, state.scheduler, learner is not None and learner.observing):
+        raise OOOError(
+            f"{call} was called inside a forward of this {type(model).__name__} (from a "
+            "stage's forward, or a hook); it removes the hooks that restore your stream "
+            "(and end the planner's observation) when the forward returns, so nothing was "
+            "changed. Call it between forwards (a router that decides to replan can set a "
+            "flag in forward and call it after the step)"
+        )
 
 
 def _start_learner(state: _WrapState, device: torch.device) -> None:

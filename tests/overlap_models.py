@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import functools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 DIM = 8
 
@@ -249,4 +253,146 @@ class InPlaceFill(nn.Module):
         left = buf[:, :DIM]
         self.fill(x, left)
         out: torch.Tensor = self.c(buf)
+        return out
+
+
+class Counting(TorchFunctionMode):
+    """A user's own mode: counts the torch calls it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+class UserModeAround(nn.Module):
+    """The parent calls stage ``a`` inside a mode of its own and reads the output right
+    after leaving it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+        self.modes: list[Counting] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = Counting()
+        self.modes.append(mode)
+        with mode:
+            h = self.a(x)
+        y = h * 2
+        out: torch.Tensor = self.b(x) + y
+        return out
+
+
+class Box:
+    """A plain object holding one value: nested, it hides a tensor from the hooks' search."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+
+def boxed(value: object, depth: int) -> object:
+    for _ in range(depth):
+        value = Box(value)
+    return value
+
+
+def unboxed(value: object) -> torch.Tensor:
+    while isinstance(value, Box):
+        value = value.value
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+class BoxReader(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, box: object) -> torch.Tensor:
+        out: torch.Tensor = self.linear(unboxed(box))
+        return out
+
+
+class DeepFeed(nn.Module):
+    """Stage ``a``'s output reaches stage ``b`` nested deeper than the hooks search."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = BoxReader()
+        self.depth = depth
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.b(boxed(self.a(x), self.depth))
+        return out
+
+
+class BoxWriter(nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.depth = depth
+
+    def forward(self, x: torch.Tensor) -> object:
+        return boxed(self.linear(x), self.depth)
+
+
+class DeepReturn(nn.Module):
+    """Stage ``a`` returns its output nested deeper than the hooks search; the parent
+    takes it out (attribute reads only, no torch call) and hands it to stage ``b``."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.a = BoxWriter(depth)
+        self.b = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.b(unboxed(self.a(x)))
+        return out
+
+
+class ThreadRead(nn.Module):
+    """The parent hands stage ``a``'s pending output to a thread of its own, which reads
+    it: the join-on-touch mode and the pending joins belong to the parent's thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        found: list[torch.Tensor] = []
+        worker = threading.Thread(target=lambda: found.append(h * 2))
+        worker.start()
+        worker.join()
+        out: torch.Tensor = self.b(x) + found[0]
+        return out
+
+
+class DisabledRead(nn.Module):
+    """The parent reads stage ``a``'s pending output with torch functions disabled, modes
+    included: the join-on-touch mode never sees the read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch._C.DisableTorchFunction():
+            y = h * 2
+        out: torch.Tensor = self.b(x) + y
         return out

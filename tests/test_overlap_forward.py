@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import ClassVar
 
 import overlap_models as om
@@ -109,6 +110,19 @@ def test_a_stage_reading_a_pending_output_through_an_attribute_is_reported() -> 
     ), str(report)
     # With eager joins the read is ordered (its missing record_stream is reported either way).
     assert check(om.AttributeEscape(), om.inputs(), planner="static").races == ()
+
+
+@pytest.mark.parametrize("factory", [om.ThreadRead, om.DisabledRead])
+def test_a_read_the_join_mode_cannot_see_is_reported(factory: type[nn.Module]) -> None:
+    """Documented limits that check() catches: a pending output read on another thread,
+    or under ``torch._C.DisableTorchFunction()``."""
+    report = check(factory(), om.inputs(), overlap_forward=True, planner="static")
+    assert any(
+        r.earlier.stage == "a" and (r.later.stream, r.later.op) == ("default", "aten.mul.Tensor")
+        for r in report.races
+    ), str(report)
+    assert check(factory(), om.inputs(), planner="static").ok  # eager joins order it
+    assert _idle()
 
 
 @pytest.mark.parametrize(
@@ -321,3 +335,101 @@ def test_profile_ranges_and_overlap_forward_together() -> None:
     names = {event.name for event in prof.events()}
     assert {"ooo/towers.0", "ooo/towers.1", "ooo/towers.2"} <= names
     assert model.stats.stage_calls == 3 and _idle()
+
+
+def _defers_and_joins_on_touch() -> bool:
+    """A fresh model on this thread still leaves a stage's join pending, and joins it at
+    the first parent op."""
+    model = om.ParentOpBetween()
+    _wrap(model)
+    seen: list[int] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = model.a(x)
+        seen.append(_deferred.pending_count())
+        h = h * 2
+        seen.append(_deferred.pending_count())
+        out: torch.Tensor = model.b(h)
+        return out
+
+    model.forward = forward  # type: ignore[method-assign]
+    model(om.inputs())
+    return seen == [1, 0] and _idle()
+
+
+@pytest.fixture
+def restore_mode_stack() -> Iterator[None]:
+    """Pop whatever a failing test left on this thread's mode stack."""
+    depth = torch._C._len_torch_function_stack()
+    yield
+    while torch._C._len_torch_function_stack() > depth:
+        torch._C._pop_torch_function_stack()
+
+
+@pytest.mark.usefixtures("restore_mode_stack")
+def test_a_user_mode_around_a_stage_call_keeps_the_joins_and_leaves_with_its_block() -> None:
+    report = check(om.UserModeAround(), om.inputs(), overlap_forward=True, planner="static")
+    assert report.ok, str(report)
+    model = om.UserModeAround()
+    _wrap(model)
+    model(om.inputs())
+    mode = model.modes[-1]
+    assert mode.calls > 0  # it saw stage a's ops
+    seen = mode.calls
+    _ = torch.ones(1) + 1
+    assert mode.calls == seen  # off the stack since its block ended
+    assert _idle()
+    assert _defers_and_joins_on_touch()  # later models on the thread still defer
+
+
+@pytest.mark.usefixtures("restore_mode_stack")
+def test_the_join_mode_is_pushed_again_after_something_removed_it() -> None:
+    model = om.TowersSum(2)
+    _wrap(model)
+    seen: list[int] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        first = model.towers[0](x)
+        torch.overrides._pop_mode()  # the join mode, as code clearing the mode stack would
+        second = model.towers[1](x)
+        seen.append(_deferred.pending_count())
+        out = first + second
+        seen.append(_deferred.pending_count())
+        return out
+
+    model.forward = forward  # type: ignore[method-assign]
+    model(om.inputs())
+    assert seen == [2, 0]
+    assert _idle() and _defers_and_joins_on_touch()
+
+
+def test_the_join_mode_stays_above_the_default_device_mode() -> None:
+    """``torch.set_default_device`` keeps its mode at the bottom of the stack and checks
+    that it is still there when the default changes."""
+    model = om.ParentOpBetween()
+    _wrap(model)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = model.a(x)
+        torch.set_default_device("cpu")  # while the join mode is on the stack
+        out: torch.Tensor = model.b(h * 2)
+        return out
+
+    model.forward = forward  # type: ignore[method-assign]
+    torch.set_default_device("cpu")
+    try:
+        model(om.inputs())
+        assert _deferred.pending_count() == 0
+    finally:
+        torch.set_default_device(None)
+    assert _idle()
+
+
+@pytest.mark.parametrize("factory", [om.DeepFeed, om.DeepReturn])
+def test_a_pending_output_deeper_than_the_search_is_joined(factory: type[nn.Module]) -> None:
+    """Passed to the next stage nested too deep, or returned so: the hooks cannot track
+    it, so the next stage waits on every pending join, or the stage is joined at once.
+    (Its missing ``record_stream`` stays an allocator hazard, with an UNTRACKED event.)"""
+    report = check(factory(), om.inputs(), overlap_forward=True, planner="static")
+    assert report.races == (), str(report)
+    assert _idle()

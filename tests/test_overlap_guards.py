@@ -262,3 +262,34 @@ def test_a_stage_run_inline_by_another_model_joins_the_pending_stages_first(
     monkeypatch.setattr(Scheduler, "_stage_pre_hook", pre_hook)
     races = _disabled_handoff_races()
     assert "read-after-write side3 -> default aten.addmm.default" in races, races
+
+
+def test_with_the_join_mode_pushed_on_top_a_user_mode_block_pops_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The join mode goes under the user's modes: pushed on top instead, leaving the
+    user's ``with`` block pops it, and the parent reads stage ``a`` unjoined."""
+    depth = torch._C._len_torch_function_stack()
+    assert _check(om.UserModeAround).ok
+    monkeypatch.setattr(_deferred, "_put_under", torch._C._push_on_torch_function_stack)
+    try:
+        report = _check(om.UserModeAround)
+    finally:
+        while torch._C._len_torch_function_stack() > depth:  # the user's mode, left on it
+            torch._C._pop_torch_function_stack()
+    assert _raw(report, "a", "default"), str(report)
+
+
+def test_without_the_blind_search_rules_a_deeply_nested_pending_output_races(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stage whose inputs the search could not all see waits on every pending join; a
+    stage whose outputs it could not all see is joined at once."""
+    wait_for_inputs, defer = _deferred.wait_for_inputs, _deferred.defer
+    monkeypatch.setattr(
+        _deferred, "wait_for_inputs", lambda *args: wait_for_inputs(*args[:3], False)
+    )
+    assert _raw(_check(om.DeepFeed), "a", "side2")
+    assert _check(om.DeepReturn).races == ()
+    monkeypatch.setattr(_deferred, "defer", lambda *args: defer(*args[:8], False))
+    assert _raw(_check(om.DeepReturn), "a", "side2")

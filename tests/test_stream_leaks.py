@@ -7,13 +7,16 @@ count only the calls of the model the stats belong to.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from models import make_two_towers, two_tower_input
 from torch import nn
 
 import ooo_wrap
-from ooo_wrap import EventKind, OOOConfigError
+from ooo_wrap import EventKind, OOOConfigError, _wrap
+from ooo_wrap._inflight import thread_state
 from ooo_wrap._wrap import _wrapped
 from ooo_wrap.testing import SimulatedBackend, VirtualStream
 
@@ -137,3 +140,138 @@ def test_the_root_called_from_inside_one_of_its_stages() -> None:
     assert tail[0] == ("current_stream", DEFAULT)
     assert [op for op, _ in tail[1:]] == ["record_event", "wait_event"] * 2
     assert tail[2][1] == DEFAULT and tail[4][1] == DEFAULT
+
+
+class Router(nn.Module):
+    """A stage that runs ``actions`` from inside its forward (an MoE router that replans)."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.actions: list[Callable[[], object]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for action in self.actions:
+            action()
+        out: torch.Tensor = self.lin(x)
+        return out
+
+
+class Routed(nn.Module):
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.router = Router(dim)
+        self.expert = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.router(x) + self.expert(x)
+        return out
+
+
+CALLS: dict[str, Callable[[nn.Module], object]] = {
+    "replan": lambda model: model.replan(),  # type: ignore[operator]
+    "unwrap": ooo_wrap.unwrap,
+}
+
+
+def _nothing_in_flight() -> bool:
+    return not thread_state.frames and not thread_state.calls
+
+
+def _routed(backend: SimulatedBackend, planner: str) -> Routed:
+    model = Routed()
+    ooo_wrap.OOOModule(model, backend=backend, stages=["router", "expert"], planner=planner)
+    model(two_tower_input()).sum().backward()  # the dataflow planner learns its plan here
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_replan_or_unwrap_inside_a_stage_is_refused_and_the_forward_goes_on(name: str) -> None:
+    backend = SimulatedBackend()
+    model = _routed(backend, "dataflow")
+    calls = model.stats.stage_calls
+    refusals: list[str] = []
+
+    def call() -> None:
+        try:
+            CALLS[name](model)
+        except ooo_wrap.OOOError as error:
+            refusals.append(str(error))
+
+    model.router.actions.append(call)
+    model(two_tower_input()).sum().backward()
+    assert backend.current_stream() == DEFAULT and _nothing_in_flight()
+    assert len(refusals) == 1 and f"{name}()" in refusals[0], refusals
+    assert isinstance(model, ooo_wrap.OOOModule) and model.stats.stage_calls == calls + 2
+    model.router.actions.clear()
+    CALLS[name](model)  # between forwards: done
+    model(two_tower_input()).sum().backward()
+    assert backend.current_stream() == DEFAULT and _nothing_in_flight()
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_an_uncaught_refusal_leaves_the_model_working(name: str) -> None:
+    backend = SimulatedBackend()
+    model = _routed(backend, "dataflow")
+    model.router.actions.append(lambda: CALLS[name](model))
+    with pytest.raises(ooo_wrap.OOOError, match=rf"{name}\(\)"):
+        model(two_tower_input())
+    assert backend.current_stream() == DEFAULT and _nothing_in_flight()
+    model.router.actions.clear()
+    calls = model.stats.stage_calls
+    model(two_tower_input()).sum().backward()
+    assert model.stats.stage_calls == calls + 2 and backend.current_stream() == DEFAULT
+
+
+def test_unwrap_inside_the_learning_forward_is_refused() -> None:
+    """The dataflow planner observes its first training forward under a dispatch mode,
+    left by the root's post-hook, which unwrap() would remove."""
+    model = Routed()
+    ooo_wrap.OOOModule(model, backend=SimulatedBackend(), stages=["router", "expert"])
+    model.router.actions.append(lambda: ooo_wrap.unwrap(model))
+    with pytest.raises(ooo_wrap.OOOError, match=r"unwrap\(\)"):
+        model(two_tower_input())
+    assert torch._C._len_torch_dispatch_stack() == 0
+    model.router.actions.clear()
+    model(two_tower_input()).sum().backward()
+    assert not model.plan.pending and torch._C._len_torch_dispatch_stack() == 0
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_without_the_refusal_the_side_stream_stays_current(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The refusal is what keeps the stream: with it gone, the call removes the hooks and
+    the running stage's post-hook never restores the caller's stream."""
+    backend = SimulatedBackend()
+    model = _routed(backend, "dataflow")
+    model.router.actions.append(lambda: CALLS[name](model))
+    monkeypatch.setattr(_wrap, "_refuse_inside_forward", lambda *args: None)
+    try:
+        model(two_tower_input())
+        assert backend.current_stream() != DEFAULT
+    finally:  # undo the leak for the tests after this one
+        backend.set_stream(DEFAULT)
+        thread_state.frames.clear()
+        thread_state.calls.clear()
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_replan_or_unwrap_after_an_interrupted_forward_restores_the_stream(name: str) -> None:
+    """A bare ``BaseException`` skips PyTorch's always-called hooks: the interrupted
+    forward is over, so the call is not refused, and it undoes what was left in flight."""
+    backend = SimulatedBackend()
+    model = _routed(backend, "dataflow")
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    model.router.actions.append(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(two_tower_input())
+    assert backend.current_stream() != DEFAULT
+    model.router.actions.clear()
+    CALLS[name](model)
+    assert backend.current_stream() == DEFAULT and _nothing_in_flight()
+    model(two_tower_input()).sum().backward()
+    assert backend.current_stream() == DEFAULT and _nothing_in_flight()
