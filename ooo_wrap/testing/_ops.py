@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._schema import arguments, declared_writes
 from .._tensors import tensors_in
 
 __all__ = [
@@ -73,14 +74,6 @@ def syncs_host(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping
 # ``t[i] = 3``) are allocated outside the dispatcher, which shows them only as this
 # aliasing op: it is where their memory comes into use, on the current stream.
 _LIFT = "aten::lift_fresh"
-
-# Ops that update their running statistics in place in training mode although their
-# schema does not mark those arguments as written: schema name -> (training arg, stats).
-_HIDDEN_WRITES = {
-    "aten::native_batch_norm": (5, (3, 4)),
-    "aten::cudnn_batch_norm": (5, (3, 4)),
-    "aten::miopen_batch_norm": (5, (3, 4)),
-}
 
 
 @dataclass(frozen=True)
@@ -154,18 +147,7 @@ def written_keys(
     """
     if not func._schema.is_mutable:
         return None
-    return [storage_key(t) for t in _written(func, args, kwargs)]
-
-
-def _written(
-    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> list[torch.Tensor]:
-    written: list[torch.Tensor] = []
-    for index, argument in enumerate(func._schema.arguments):
-        alias = argument.alias_info
-        if alias is not None and alias.is_write:
-            written += tensors_in(_argument(index, argument.name, args, kwargs))
-    return written
+    return [storage_key(t) for t in declared_writes(func, args, kwargs)]
 
 
 def tensor_uses(
@@ -178,10 +160,11 @@ def tensor_uses(
     """The reads and writes of one op call, and the storages it allocated.
 
     A view op (``t``, ``slice``, ``detach``, ...) launches no kernel, so it touches
-    nothing. Arguments the schema marks as written (in-place, ``out=``) are writes, other
-    tensor arguments reads; results whose storage no argument shares are fresh
-    allocations, written by the op. ``before`` (from :func:`written_keys`) tells which
-    written arguments got new memory from the op: those are fresh too.
+    nothing. Arguments the op writes (``ooo_wrap._schema.arguments``: in-place, ``out=``,
+    and the writes schemas leave out) are writes, other tensor arguments reads; results
+    whose storage no argument shares are fresh allocations, written by the op. ``before``
+    (from :func:`written_keys`) tells which written arguments got new memory from the op:
+    those are fresh too.
     """
     if func._schema.name == _LIFT:
         return [TensorUse(t, k, True, True) for t in tensors_in(out) if (k := storage_key(t))]
@@ -190,19 +173,12 @@ def tensor_uses(
     uses: list[TensorUse] = []
     seen: set[int] = set()
     if before is not None:
-        for tensor, old in zip(_written(func, args, kwargs), before, strict=False):
+        for tensor, old in zip(declared_writes(func, args, kwargs), before, strict=False):
             key = storage_key(tensor)
             if key is not None and key != old and key not in seen:
                 seen.add(key)
                 uses.append(TensorUse(tensor, key, is_write=True, fresh=True))
-    schema_args = func._schema.arguments
-    hidden = _hidden_writes(func, schema_args, args, kwargs)
-    for index, argument in enumerate(schema_args):
-        value = _argument(index, argument.name, args, kwargs)
-        if value is None:
-            continue
-        alias = argument.alias_info
-        is_write = (alias is not None and alias.is_write) or index in hidden
+    for value, is_write in arguments(func, args, kwargs):
         for tensor in tensors_in(value):
             key = storage_key(tensor)
             if key is not None:
@@ -214,25 +190,3 @@ def tensor_uses(
             seen.add(key)
             uses.append(TensorUse(tensor, key, is_write=True, fresh=True))
     return uses
-
-
-def _argument(index: int, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-    if index < len(args):
-        return args[index]
-    return kwargs.get(name)
-
-
-def _hidden_writes(
-    func: torch._ops.OpOverload,
-    schema_args: Sequence[Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-) -> tuple[int, ...]:
-    """The arguments ``func`` writes though its schema does not say so (see above)."""
-    entry = _HIDDEN_WRITES.get(func._schema.name)
-    if entry is None:
-        return ()
-    training, stats = entry
-    if not _argument(training, schema_args[training].name, args, kwargs):
-        return ()
-    return stats
