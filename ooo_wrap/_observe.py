@@ -23,6 +23,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ._cost import H200, ReferenceGPU, estimate_op
 from ._intercept import OpInterceptor
+from ._schema import arguments
+from ._tensors import tensors_in
 
 __all__ = ["CallRecord", "Observer", "OpRecord", "observe"]
 
@@ -94,42 +96,24 @@ def _storage_key(tensor: torch.Tensor) -> StorageKey | None:
     return int(storage._cdata)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-
-
 def _uses(
     func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
 ) -> tuple[list[StorageKey], list[StorageKey], list[StorageKey]]:
-    """(reads, in-place writes, fresh allocations) of one op, from its schema."""
+    """(reads, in-place writes, fresh allocations) of one op, from its schema and the
+    writes schemas leave out (``_schema.arguments``)."""
     if func.is_view:  # a view launches no kernel and allocates nothing
         return [], [], []
-    reads: list[StorageKey] = []
-    writes: list[StorageKey] = []
-    seen: set[StorageKey] = set()
-    for index, argument in enumerate(func._schema.arguments):
-        if index < len(args):
-            value = args[index]
-        elif argument.name in kwargs:
-            value = kwargs[argument.name]
-        else:
-            continue
-        is_write = argument.alias_info is not None and argument.alias_info.is_write
-        for tensor in _tensors(value):
+    # Per storage, whether the op writes it: one passed both ways (``add(x, y, out=x)``) is.
+    used: dict[StorageKey, bool] = {}
+    for value, is_write in arguments(func, args, kwargs):
+        for tensor in tensors_in(value):
             key = _storage_key(tensor)
-            if key is not None and key not in seen:
-                seen.add(key)
-                (writes if is_write else reads).append(key)
-    fresh = []
-    for tensor in _tensors(out):
-        key = _storage_key(tensor)
-        if key is not None and key not in seen:
-            seen.add(key)
-            fresh.append(key)
+            if key is not None:
+                used[key] = used.get(key, False) or is_write
+    reads = [key for key, written in used.items() if not written]
+    writes = [key for key, written in used.items() if written]
+    made = (_storage_key(tensor) for tensor in tensors_in(out))
+    fresh = list(dict.fromkeys(key for key in made if key is not None and key not in used))
     return reads, writes, fresh
 
 

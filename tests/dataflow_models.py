@@ -175,3 +175,39 @@ class MoE(nn.Module):
 
 def moe_input() -> torch.Tensor:
     return torch.randn(2048, 256)
+
+
+class RunningStats(nn.Module):
+    """Batch norm on buffers it owns: in training each call updates them in place."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("var", torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.batch_norm(x, self.mean, self.var, training=self.training)
+
+
+class Normed(nn.Module):
+    def __init__(self, dim: int, depth: int, norm: nn.Module) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(depth)))
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.body(x))
+
+
+class SharedStats(nn.Module):
+    """Three branches; ``a`` and ``b`` normalise with the same running statistics, whose
+    update (``native_batch_norm``) is a write its schema does not declare."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        shared = RunningStats(dim)
+        self.a, self.b = Normed(dim, 1, shared), Normed(dim, 1, shared)
+        self.c = Normed(dim, 3, RunningStats(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x) + self.c(x)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import numpy
 import pytest
 import torch
+from torch.nn import functional as F
 
 from ooo_wrap.testing import (
     CaptureError,
@@ -147,6 +149,55 @@ def test_an_op_whose_output_size_depends_on_the_data_fails(found: Detection, nam
         DATA_DEPENDENT[name](x)
 
 
+_SPD = torch.tensor([[2.0, 1.0], [1.0, 2.0]])
+
+# On a GPU the host waits for the device at each: a copy to the host, a value read by
+# Python, or a kernel that reads a result on the host. On the CPU none waits, and most
+# show no aten op at all (the values are already there; printing even runs with
+# dispatch modes off).
+HOST_SYNCS: dict[str, Callable[[torch.Tensor], object]] = {
+    "tolist": lambda x: x.tolist(),
+    "cpu": lambda x: x.cpu(),
+    "to cpu": lambda x: x.to("cpu"),
+    "to device=cpu": lambda x: x.to(device="cpu", dtype=torch.float64),
+    "numpy": lambda x: x.numpy(),
+    "numpy.asarray": numpy.asarray,
+    "print": print,
+    "f-string": lambda x: f"{x}",
+    "allclose": lambda x: torch.allclose(x, x),
+    "linalg.cholesky": lambda x: torch.linalg.cholesky(_SPD),
+    "linalg.inv": lambda x: torch.linalg.inv(_SPD),
+    "linalg.solve": lambda x: torch.linalg.solve(_SPD, x[:2]),
+    "linalg.cholesky_ex checking errors": lambda x: torch.linalg.cholesky_ex(
+        _SPD, check_errors=True
+    ),
+    "histc without a range": lambda x: torch.histc(x, bins=4),
+    "one_hot without num_classes": lambda x: F.one_hot(x.long().abs()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOST_SYNCS))
+def test_a_host_sync_that_no_cpu_op_shows_fails(found: Detection, name: str) -> None:
+    b = found.backend
+    x = torch.tensor([1.0, -1.0, 2.0, 0.0])
+    with pytest.raises(CaptureError, match="the host waits for the device"), b.capturing():
+        HOST_SYNCS[name](x)
+
+
+@pytest.mark.parametrize("num_classes", [{"num_classes": 4}, {}], ids=["keyword", "positional"])
+def test_one_hot_with_a_class_count_is_captured(
+    found: Detection, num_classes: dict[str, int]
+) -> None:
+    # The MoE router's line. The CPU kernel checks the range on the host (an .item()
+    # here), the CUDA kernel with a device assert: no host sync.
+    b = found.backend
+    chosen = torch.tensor([[0, 3], [2, 1]])
+    with b.capturing():
+        hot = F.one_hot(chosen, **num_classes) if num_classes else F.one_hot(chosen, 4)
+    assert hot.shape == (2, 2, 4)
+    assert found.ok and found.captures == 1
+
+
 def test_fixed_size_forms_of_those_ops_are_captured(found: Detection) -> None:
     b = found.backend
     x = torch.tensor([1.0, -1.0, 2.0, 0.0])
@@ -155,6 +206,9 @@ def test_fixed_size_forms_of_those_ops_are_captured(found: Detection) -> None:
         torch.where(x > 0, x, torch.zeros(()))  # three arguments: elementwise
         torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)
         torch.nonzero_static(x, size=4)
+        torch.histc(x, bins=4, min=-1, max=2)  # a range given: no min and max to read
+        torch.linalg.cholesky_ex(_SPD)  # errors left in ``info``, on the device
+        x.to(x.device), x.to(torch.float64)  # no copy to the host
     assert found.ok and found.captures == 1
 
 

@@ -71,8 +71,8 @@ def test_a_broken_capture_rule_is_a_finding_in_one_line() -> None:
     assert (result.status, result.err) == (1, "")
     assert result.out.count("\n") == 1
     assert result.out.startswith(
-        "ooo_wrap check: FAILED under simulated graph capture: host read "
-        "(aten._local_scalar_dense.default) during a graph capture"
+        "ooo_wrap check: FAILED under simulated graph capture: aten._local_scalar_dense.default "
+        "during a graph capture begun on default: a host read (.item()"
     )
 
 

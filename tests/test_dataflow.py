@@ -276,6 +276,19 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     assert len(side) == len(set(learned.stage_streams.values()))
 
 
+def test_branches_updating_shared_running_statistics_are_one_chain() -> None:
+    """Batch norm in training writes its running statistics though its schema says it only
+    reads them: two branches updating the same ones must not overlap."""
+    model, x = models.SharedStats(), torch.randn(32, 64)
+    tiny = dataclasses.replace(H200, fork_join_us=1e-6)
+    learned = learn_plan(model, (x,), streams=2, gpu=tiny)
+    (region,) = learned.regions
+    assert sorted(branch.calls for branch in region.branches) == [("a", "b"), ("c",)]
+    with mock.patch.object(_learn, "REFERENCE_GPU", tiny):
+        report = check(model, x, streams=2, steps=3, overlap_forward=True)
+    assert report.ok, str(report)
+
+
 def test_one_stream_still_overlaps_the_caller_and_keeps_chains(
     inception: tuple[nn.Module, LearnedPlan],
 ) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -97,9 +99,23 @@ def test_in_place_write_on_the_callers_stream_waits_for_side_readers(broken: boo
         assert found.ok
 
 
-@pytest.mark.parametrize("read", ["host_read", "item"])
+# Each way the host reads a tensor, and the op it is recorded as. Only .item() is an
+# aten op on the CPU; the others read memory in place (printing with dispatch modes off).
+HOST_READS: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
+    "host_read": (host_read, "host_read"),
+    "item": (lambda t: t.item(), "aten._local_scalar_dense.default"),
+    "tolist": (lambda t: t.tolist(), "Tensor.tolist"),
+    "cpu": (lambda t: t.cpu(), "Tensor.cpu"),
+    "to cpu": (lambda t: t.to("cpu"), "Tensor.to"),
+    "numpy": (lambda t: t.numpy(), "Tensor.numpy"),
+    "print": (print, "Tensor.__repr__"),
+}
+
+
+@pytest.mark.parametrize("read", sorted(HOST_READS))
 @pytest.mark.parametrize("broken", [True, False])
 def test_host_read_needs_a_final_join(broken: bool, read: str) -> None:
+    how, op = HOST_READS[read]
     with detect() as found:
         b, main, side = _streams(found)
         x = torch.ones(8)
@@ -109,9 +125,8 @@ def test_host_read_needs_a_final_join(broken: bool, read: str) -> None:
         b.record_stream(y, main)
         if not broken:
             b.wait_event(main, b.record_event(side))
-        value = y.item() if read == "item" else host_read(y).tolist()
-    assert value == 8.0
-    op = "aten._local_scalar_dense.default" if read == "item" else "host_read"
+        how(y)
+    assert y.item() == 8.0
     if broken:
         assert _races(found) == [(RAW, "aten.sum.default", "side1", op, "default")]
     else:

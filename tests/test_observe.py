@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -181,3 +181,34 @@ def test_a_link_that_launches_no_kernel_is_neither_a_stage_nor_counted_by_the_ru
     assert leaves.stage_streams["mid_a"] == leaves.stage_streams["mid_b"]
     stays = learn(record, 4, gpu=dataclasses.replace(H200, fork_join_us=1.1))
     assert stays.outcome == "no_parallelism"
+
+
+class UpdateStats(nn.Module):
+    """SyncBatchNorm's statistics update, on the CPU: always in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running_mean, self.running_var = nn.Buffer(torch.zeros(4)), nn.Buffer(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.batch_norm_update_stats(x, self.running_mean, self.running_var, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("make", "writes"),
+    [
+        (lambda: nn.BatchNorm1d(4), True),
+        (lambda: nn.BatchNorm1d(4).eval(), False),  # eval mode reads its statistics
+        (UpdateStats, True),
+    ],
+    ids=["batch_norm", "batch_norm_eval", "batch_norm_update_stats"],
+)
+def test_ops_updating_running_statistics_write_them(
+    make: Callable[[], nn.Module], writes: bool
+) -> None:
+    # Neither op's schema marks the statistics as written: the observer must know.
+    norm = make()
+    record = observe(norm, (torch.randn(8, 4),), op_cost=one_us)
+    (op,) = [op for op in record.ops() if "batch_norm" in op.name]
+    stats = {t.untyped_storage()._cdata for t in (norm.running_mean, norm.running_var)}
+    assert (stats <= set(op.writes), stats <= set(op.reads)) == (writes, not writes)

@@ -12,8 +12,10 @@ into a graph instead of running it, and CUDA refuses what the graph could not re
    the capture ends (``cudaErrorStreamCaptureUnjoined``).
 3. No host syncs: the host cannot read a tensor or wait for the device inside a capture
    (nothing has run yet); nor can it run an op whose output size (or Python result)
-   depends on the data, such as ``nonzero`` or boolean-mask indexing, which waits for the
-   device on a GPU (``_ops.syncs_host``).
+   depends on the data, such as ``nonzero`` or boolean-mask indexing, or whose CUDA
+   kernel reads a result on the host, which waits for the device on a GPU (the table
+   ``_ops.HOST_SYNCS``; host reads that are no aten op on the CPU, such as ``.tolist()``
+   or printing, are seen by ``_host.py``).
 
 Joining is tracked with the detector's vector clocks: at the start a mark (a pseudo
 stream of its own, never an op's) enters the origin's clock, and events and waits carry
@@ -40,7 +42,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .._errors import OOOError
-from ._ops import HOST_SYNC_OPS
 from ._simulated import VirtualStream
 from ._tracker import Clock, StreamTracker
 
@@ -91,22 +92,17 @@ class SimulatedCapture:
                 "stream after the capture began (the scheduler's fork does)"
             )
 
-    def op(self, op: str, stream: VirtualStream, syncs: bool) -> None:
-        """The op ``op`` runs on ``stream``; ``syncs``: on a GPU the host waits for it."""
-        if op in HOST_SYNC_OPS:
+    def op(self, op: str, stream: VirtualStream, host_sync: str | None) -> None:
+        """The op ``op`` runs on ``stream``; ``host_sync``: why the host waits for it on a
+        GPU (``_ops.host_sync``), if it does."""
+        if host_sync is not None:
             raise CaptureError(
-                f"host read ({op}) during a graph capture begun on {self.origin}: nothing "
-                "has run yet, so the host cannot read a tensor or wait for the device "
-                "inside a capture. Read results after replaying the graph"
-            )
-        if syncs:
-            raise CaptureError(
-                f"{op} during a graph capture begun on {self.origin}: its result's size (or "
-                "value) depends on the data, so on a GPU the host waits for the device to "
-                "learn it, which a capture cannot do (nothing has run yet). Keep such ops "
-                "(nonzero, boolean-mask indexing, unique, routing by a data-dependent "
-                "count) out of the captured region, or use fixed-size forms "
-                "(nonzero_static, index with integer tensors, a fixed capacity)"
+                f"{op} during a graph capture begun on {self.origin}: {host_sync}, so on a "
+                "GPU the host waits for the device, which a capture cannot do (nothing has "
+                "run yet). Keep it out of the captured region: read results after replaying "
+                "the graph; for data-dependent ops (nonzero, boolean-mask indexing, unique, "
+                "routing by a data-dependent count) use fixed-size forms (nonzero_static, "
+                "index with integer tensors, a fixed capacity)"
             )
         self.use(stream, f"op {op}")
 

@@ -21,7 +21,16 @@ from .._intercept import OpInterceptor, intercept_new_threads
 from .._tensors import tensors_in
 from ._capture import SimulatedCapture, simulated_capture
 from ._engine import EngineModel
-from ._ops import TensorUse, is_view_only, storage_key, syncs_host, tensor_uses, written_keys
+from ._host import HostReads
+from ._ops import (
+    HOST_SYNCS,
+    TensorUse,
+    host_sync,
+    is_view_only,
+    storage_key,
+    tensor_uses,
+    written_keys,
+)
 from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
 from ._tracker import Access, AllocatorHazard, Clock, OpRecord, Phase, Race, StreamTracker
 
@@ -134,6 +143,7 @@ class Detection:
         # The simulated graph capture underway, and how many were completed.
         self.capture: SimulatedCapture | None = None
         self.captures = 0
+        self._device_checks_now = 0  # >0: host syncs inside are device asserts on CUDA
 
     @property
     def races(self) -> tuple[Race, ...]:
@@ -224,18 +234,28 @@ class Detection:
             else:
                 stream, stage = self.stream_now(), self._stage_now()
             cost = estimate_op(func, args, kwargs, out).device_us
-            syncs = self.capture is not None and syncs_host(func, args, kwargs)
-            self._record(str(func), stream, stage, uses, cost, syncs)
+            sync = None
+            if self.capture is not None and not self._device_checks_now:
+                sync = host_sync(func, args, kwargs)
+            self._record(str(func), stream, stage, uses, cost, sync)
             self._engine.created(tensors_in(out), stream, stage)
 
-    def _host_read(self, tensor: torch.Tensor) -> None:
+    def _host_read(self, tensor: torch.Tensor, op: str = "host_read") -> None:
         with self._lock:
             self._engine.flush()
             key = storage_key(tensor)
             uses = [] if key is None else [TensorUse(tensor, key, is_write=False, fresh=False)]
             # The device-to-host copy, costed as the copy op it is.
             cost = estimate_op(torch.ops.aten._to_copy.default, (tensor,), {}, tensor).device_us
-            self._record("host_read", self.stream_now(), self._stage_now(), uses, cost, True)
+            self._record(op, self.stream_now(), self._stage_now(), uses, cost, HOST_SYNCS[op])
+
+    @contextlib.contextmanager
+    def _device_checks(self) -> Iterator[None]:
+        self._device_checks_now += 1
+        try:
+            yield
+        finally:
+            self._device_checks_now -= 1
 
     def _stage_now(self) -> str | None:
         if self._engine.in_backward:
@@ -249,11 +269,11 @@ class Detection:
         stage: str | None,
         uses: list[TensorUse],
         cost_us: float,
-        syncs: bool,
+        host_sync: str | None,
     ) -> None:
         tracker = self.tracker
         if self.capture is not None:
-            self.capture.op(op, stream, syncs)
+            self.capture.op(op, stream, host_sync)
         tracker.tick(stream)
         seq = len(self._records)
         phase: Phase = "backward" if self._engine.in_backward else self._phase
@@ -348,6 +368,7 @@ def detect(
         with (
             OpInterceptor(detection._on_op, written_keys),
             intercept_new_threads(detection._on_op, written_keys),
+            HostReads(detection._host_read, detection._device_checks),
         ):
             yield detection
             detection._engine.flush()
@@ -359,17 +380,18 @@ def detect(
 
 
 def host_read(tensor: torch.Tensor) -> torch.Tensor:
-    """Model the host reading ``tensor`` (``.cpu()``, ``.numpy()``, ``.tolist()``, or a
-    synchronize before reading it); inside a simulated graph capture it is refused.
+    """Model the host reading ``tensor`` (a synchronize before reading it, or a read the
+    detector cannot see); inside a simulated graph capture it is refused.
 
     The copy runs on the current stream, so the read must be ordered after every write.
-    ``.item()`` needs no helper: the detector sees its op. Outside :func:`detect` this
-    does nothing. Returns ``tensor``.
+    ``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")`` and printing need
+    no helper on the thread that entered :func:`detect`: the detector sees them. Outside
+    :func:`detect` this does nothing. Returns ``tensor``.
 
     Example::
 
         >>> loss = model(x).sum()
-        >>> print(host_read(loss).tolist())
+        >>> host_read(loss)  # before handing loss to code the detector cannot see
     """
     detection = _active.get()
     if detection is not None:

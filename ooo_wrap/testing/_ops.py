@@ -2,85 +2,137 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .._schema import arguments, declared_writes
 from .._tensors import tensors_in
 
 __all__ = [
-    "DATA_DEPENDENT_OPS",
-    "HOST_SYNC_OPS",
+    "HOST_SYNCS",
     "TensorUse",
+    "always_syncs",
     "byte_span",
+    "host_sync",
     "is_view_only",
     "storage_key",
-    "syncs_host",
     "tensor_uses",
     "unwrap",
     "written_keys",
 ]
 
-# Ops after which the host holds until the device is done: ``.item()`` (and what calls
-# it), and the detector's host_read().
-HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "host_read"})
+_SIZE = "its output's size depends on the data"
+_MASKED = "a boolean mask: the count of its true elements depends on the data"
+_BOOL = "its result, a Python bool, depends on the data"
+_INFO = "with check_errors=True it reads the factorization's info on the host"
 
-# Ops whose result the host must read before it can go on: the output's size depends on
-# the data (``nonzero`` and what is built on it), or the result is a Python value
-# (``equal``). On a GPU each is a host sync, which a graph capture refuses; on the CPU
-# nothing waits, so only the op's name tells.
-DATA_DEPENDENT_OPS = frozenset(
-    {
-        "aten.nonzero.default",
-        "aten.masked_select.default",
-        "aten._unique.default",
-        "aten._unique2.default",
-        "aten.unique_dim.default",
-        "aten.unique_consecutive.default",
-        "aten.bincount.default",
-        "aten.equal.default",
-        "aten.is_nonzero.default",
-    }
-)
+# What makes the host wait for the device on CUDA, which a graph capture refuses (nothing
+# has run yet): recorded op name (an aten overload, or what the detector records a host
+# read as) -> why, as the capture error says it. On the CPU nothing waits, and most of
+# these show no op of their own: only the name tells.
+HOST_SYNCS: Mapping[str, str] = {
+    # The host reads values (``_host.py`` sees the Tensor methods).
+    "host_read": "a host read (host_read())",
+    "aten._local_scalar_dense.default": "a host read (.item(), float(), int(), bool())",
+    "Tensor.tolist": "a host read (.tolist())",
+    "Tensor.numpy": "a host read (.numpy())",
+    "Tensor.__array__": "a host read (numpy.asarray(), numpy.array())",
+    "Tensor.cpu": "a host read (.cpu(): a copy to the host)",
+    "Tensor.to": "a host read (.to('cpu'): a copy to the host)",
+    "Tensor.__repr__": "a host read (print(), str() or repr() of a tensor)",
+    "Tensor.__format__": "a host read (a tensor in an f-string or format())",
+    # The result is a Python value computed on the device.
+    "aten.equal.default": _BOOL,
+    "aten.allclose.default": _BOOL,
+    "aten.is_nonzero.default": _BOOL,
+    # The output's size depends on the data (``nonzero`` and what is built on it).
+    "aten.nonzero.default": _SIZE,
+    "aten.masked_select.default": _SIZE,
+    "aten._unique.default": _SIZE,
+    "aten._unique2.default": _SIZE,
+    "aten.unique_dim.default": _SIZE,
+    "aten.unique_consecutive.default": _SIZE,
+    "aten.bincount.default": _SIZE,
+    # ... unless ``output_size`` is given.
+    "aten.repeat_interleave.Tensor": _SIZE,
+    # ... with a boolean mask, whose true elements the kernel finds (a nonzero inside it).
+    "aten.index.Tensor": _MASKED,
+    "aten.index_put.default": _MASKED,
+    "aten.index_put_.default": _MASKED,
+    "aten._index_put_impl_.default": _MASKED,
+    # The CUDA kernel reads a result on the host: the info of a factorization, to raise on
+    # a singular input (linalg.cholesky, inv, solve; the _ex forms unless check_errors=True).
+    "aten._linalg_check_errors.default": "it reads the factorization's info on the host",
+    "aten.linalg_cholesky_ex.default": _INFO,
+    "aten.linalg_inv_ex.default": _INFO,
+    "aten._linalg_solve_ex.default": _INFO,
+    "aten.linalg_lu_factor_ex.default": _INFO,
+    "aten.linalg_ldl_factor_ex.default": _INFO,
+    # ... the input's min and max, when no range is given (min == max, the default).
+    "aten.histc.default": "with no range given, the kernel reads the input's min and max",
+}
 
-# Indexing with a boolean mask finds the mask's true elements (a nonzero inside the
-# kernel, below what the dispatcher shows).
-_INDEX_OPS = frozenset(
-    {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
-)
 _MASK_DTYPES = (torch.bool, torch.uint8)
 
 
-def syncs_host(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether the op makes the host wait for the device on a GPU (see above)."""
+def _mask(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    return len(args) > 1 and any(
+        isinstance(index, torch.Tensor) and index.dtype in _MASK_DTYPES
+        for index in args[1]
+        if index is not None
+    )
+
+
+def _no_range(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    low = args[2] if len(args) > 2 else kwargs.get("min", 0)
+    high = args[3] if len(args) > 3 else kwargs.get("max", 0)
+    return bool(low == high)
+
+
+def _checks_errors(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    return bool(kwargs.get("check_errors", False))
+
+
+# The entries above that sync only for some arguments: whether this call does.
+_SYNCS_IF: Mapping[str, Callable[[Sequence[Any], Mapping[str, Any]], bool]] = {
+    "aten.repeat_interleave.Tensor": lambda args, kwargs: kwargs.get("output_size") is None,
+    "aten.index.Tensor": _mask,
+    "aten.index_put.default": _mask,
+    "aten.index_put_.default": _mask,
+    "aten._index_put_impl_.default": _mask,
+    "aten.linalg_cholesky_ex.default": _checks_errors,
+    "aten.linalg_inv_ex.default": _checks_errors,
+    "aten._linalg_solve_ex.default": _checks_errors,
+    "aten.linalg_lu_factor_ex.default": _checks_errors,
+    "aten.linalg_ldl_factor_ex.default": _checks_errors,
+    "aten.histc.default": _no_range,
+}
+
+
+def host_sync(
+    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> str | None:
+    """Why the op makes the host wait for the device on a GPU, or ``None`` (see above)."""
     name = str(func)
-    if name in HOST_SYNC_OPS or name in DATA_DEPENDENT_OPS:
-        return True
-    if name == "aten.repeat_interleave.Tensor":  # its output size, unless given
-        return kwargs.get("output_size") is None
-    if func._schema.name in _INDEX_OPS and len(args) > 1:
-        return any(
-            isinstance(index, torch.Tensor) and index.dtype in _MASK_DTYPES
-            for index in args[1]
-            if index is not None
-        )
-    return False
+    why = HOST_SYNCS.get(name)
+    if why is None:
+        return None
+    only_if = _SYNCS_IF.get(name)
+    return why if only_if is None or only_if(args, kwargs) else None
+
+
+def always_syncs(op: str) -> bool:
+    """Whether every call of the recorded op ``op`` makes the host wait (see above)."""
+    return op in HOST_SYNCS and op not in _SYNCS_IF
 
 
 # Tensors made from host data (torch.tensor, as_tensor, from_numpy, the scalar of
 # ``t[i] = 3``) are allocated outside the dispatcher, which shows them only as this
 # aliasing op: it is where their memory comes into use, on the current stream.
 _LIFT = "aten::lift_fresh"
-
-# Ops that update their running statistics in place in training mode although their
-# schema does not mark those arguments as written: schema name -> (training arg, stats).
-_HIDDEN_WRITES = {
-    "aten::native_batch_norm": (5, (3, 4)),
-    "aten::cudnn_batch_norm": (5, (3, 4)),
-    "aten::miopen_batch_norm": (5, (3, 4)),
-}
 
 
 @dataclass(frozen=True)
@@ -154,18 +206,7 @@ def written_keys(
     """
     if not func._schema.is_mutable:
         return None
-    return [storage_key(t) for t in _written(func, args, kwargs)]
-
-
-def _written(
-    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> list[torch.Tensor]:
-    written: list[torch.Tensor] = []
-    for index, argument in enumerate(func._schema.arguments):
-        alias = argument.alias_info
-        if alias is not None and alias.is_write:
-            written += tensors_in(_argument(index, argument.name, args, kwargs))
-    return written
+    return [storage_key(t) for t in declared_writes(func, args, kwargs)]
 
 
 def tensor_uses(
@@ -178,10 +219,11 @@ def tensor_uses(
     """The reads and writes of one op call, and the storages it allocated.
 
     A view op (``t``, ``slice``, ``detach``, ...) launches no kernel, so it touches
-    nothing. Arguments the schema marks as written (in-place, ``out=``) are writes, other
-    tensor arguments reads; results whose storage no argument shares are fresh
-    allocations, written by the op. ``before`` (from :func:`written_keys`) tells which
-    written arguments got new memory from the op: those are fresh too.
+    nothing. Arguments the op writes (``ooo_wrap._schema.arguments``: in-place, ``out=``,
+    and the writes schemas leave out) are writes, other tensor arguments reads; results
+    whose storage no argument shares are fresh allocations, written by the op. ``before``
+    (from :func:`written_keys`) tells which written arguments got new memory from the op:
+    those are fresh too.
     """
     if func._schema.name == _LIFT:
         return [TensorUse(t, k, True, True) for t in tensors_in(out) if (k := storage_key(t))]
@@ -190,19 +232,12 @@ def tensor_uses(
     uses: list[TensorUse] = []
     seen: set[int] = set()
     if before is not None:
-        for tensor, old in zip(_written(func, args, kwargs), before, strict=False):
+        for tensor, old in zip(declared_writes(func, args, kwargs), before, strict=False):
             key = storage_key(tensor)
             if key is not None and key != old and key not in seen:
                 seen.add(key)
                 uses.append(TensorUse(tensor, key, is_write=True, fresh=True))
-    schema_args = func._schema.arguments
-    hidden = _hidden_writes(func, schema_args, args, kwargs)
-    for index, argument in enumerate(schema_args):
-        value = _argument(index, argument.name, args, kwargs)
-        if value is None:
-            continue
-        alias = argument.alias_info
-        is_write = (alias is not None and alias.is_write) or index in hidden
+    for value, is_write in arguments(func, args, kwargs):
         for tensor in tensors_in(value):
             key = storage_key(tensor)
             if key is not None:
@@ -214,25 +249,3 @@ def tensor_uses(
             seen.add(key)
             uses.append(TensorUse(tensor, key, is_write=True, fresh=True))
     return uses
-
-
-def _argument(index: int, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-    if index < len(args):
-        return args[index]
-    return kwargs.get(name)
-
-
-def _hidden_writes(
-    func: torch._ops.OpOverload,
-    schema_args: Sequence[Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-) -> tuple[int, ...]:
-    """The arguments ``func`` writes though its schema does not say so (see above)."""
-    entry = _HIDDEN_WRITES.get(func._schema.name)
-    if entry is None:
-        return ()
-    training, stats = entry
-    if not _argument(training, schema_args[training].name, args, kwargs):
-        return ()
-    return stats

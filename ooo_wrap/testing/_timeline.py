@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._cost import H200, ReferenceGPU
-from ._ops import DATA_DEPENDENT_OPS, HOST_SYNC_OPS
+from ._ops import always_syncs
 from ._tracker import OpRecord
 
 __all__ = ["Slot", "Timeline", "lay_out", "split_steps"]
@@ -92,7 +92,7 @@ def lay_out(
             host += gpu.launch_us
         start = max(host, ready)
         end = start + record.cost_us
-        if record.op in HOST_SYNC_OPS or record.op in DATA_DEPENDENT_OPS:
+        if always_syncs(record.op):
             host = max(host, end)  # on a GPU the host waits for its result
         stream_end[own] = max(stream_end.get(own, 0.0), end)
         if own in clock:
