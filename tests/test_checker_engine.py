@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from ooo_wrap.testing import Detection, RaceKind, check, detect, host_read
+import ooo_wrap
+from ooo_wrap.testing import DetectingBackend, Detection, RaceKind, check, detect, host_read
 
 CPU = torch.device("cpu")
 RAW = RaceKind.READ_AFTER_WRITE
@@ -97,6 +98,38 @@ def test_a_root_gradient_from_the_caller_is_recorded_to_the_roots_stream() -> No
         found.keep_alive(weight.grad)
         host_read(weight.grad)
     assert found.ok, (found.races, found.allocator_hazards)
+
+
+class Chain(nn.Module):
+    """Two stages in a chain, both outputs returned: a backward from both is two roots."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ya = self.a(x)
+        return ya, self.b(ya)
+
+
+def test_a_root_that_another_root_feeds_sums_its_gradients_on_its_own_stream() -> None:
+    # The caller's gradient for ya and the one b's backward makes for it are summed on
+    # a's stream, after it waits on the caller's stream and on b's.
+    backend = DetectingBackend()
+    model = ooo_wrap.OOOModule(Chain(), streams=2, backend=backend, planner="static")
+    with detect(backend, keep_alive=[model]) as found:
+        ya, yb = model(torch.randn(3, 4))
+        torch.autograd.backward([ya, yb], [torch.ones_like(ya), torch.ones_like(yb)])
+        for param in model.parameters():
+            assert param.grad is not None
+            found.keep_alive(param.grad)
+            host_read(param.grad)
+    assert found.ok, (found.races, found.allocator_hazards)
+    forward = [op.stream for op in found.ops if op.op == "aten.addmm.default"]
+    sums = [op.stream for op in found.ops if op.phase == "backward" and "add" in op.op]
+    assert len(set(forward)) == 2
+    assert sums == forward[:1]
 
 
 @pytest.mark.parametrize("joined", [False, True])

@@ -19,6 +19,12 @@ how each point is modelled here:
    by storage alone.
 4. The graph root waits on the stream that called ``backward()``, and the engine
    ``record_stream``s the root gradients (made on the caller's stream) to the root's.
+   With several roots the engine's ``GraphRoot`` node (no hook sees it) puts each root
+   gradient in its root's input buffer first, produced on the caller's stream; a root
+   that another root's backward also feeds (``backward([ya, b(ya)])``) sums the two on
+   its own stream after waiting on the caller's and on that producer's (rule 3). Such a
+   sum is recognized by the op: a gradient just fed to an empty slot, added to another
+   tensor.
 5. Tensor hooks (``y.register_hook``) run inside the consuming node's call, on its stream
    after its waits, but before its node pre-hooks: the engine's running node starts at
    the first op it runs, whichever hook comes first.
@@ -63,6 +69,8 @@ CHECKED_TORCH = ((2, 9), (2, 13))
 
 _TAG = "ooo_wrap.testing.stream"
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+# The ops the engine sums two gradients for one input with (``InputBuffer::accumulate``).
+_SUMS = frozenset({torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor})
 
 
 class EngineHost(Protocol):
@@ -122,6 +130,9 @@ class EngineModel:
         self._running: set[int] = set()
         self._finished: int | None = None
         self._window: list[tuple[int | None, NodeTag]] = []
+        # The last finished node's gradients that went to an empty input slot: the slot
+        # may already hold a root gradient from the caller, which no hook saw arrive.
+        self._first: list[tuple[int, NodeTag]] = []
         self._handles: list[RemovableHandle] = []
         self._stage: str | None = None
 
@@ -155,7 +166,9 @@ class EngineModel:
             if node is not None and self._tag(node) is None:
                 self._tag_graph(node, stream, stage)
 
-    def accumulation_target(self, keys: Iterable[int]) -> NodeTag | None:
+    def accumulation_target(
+        self, func: torch._ops.OpOverload, keys: Iterable[int]
+    ) -> NodeTag | None:
         """The consumer node whose input buffer an op between two nodes accumulates into.
 
         The engine adds a second gradient for one input on the consumer's stream, after
@@ -163,13 +176,33 @@ class EngineModel:
         be attributed to the returned node's stream. Accumulations come in the order of
         the producer's edges; the op must read that edge's gradient.
         """
-        if not self._window:
+        read = set(keys)
+        if self._window:
+            key, consumer = self._window[0]
+            if key is None or key in read:
+                del self._window[0]
+                self._apply_waits(consumer)
+                return consumer
+        return self._root_sum(func, read)
+
+    def _root_sum(self, func: torch._ops.OpOverload, read: set[int]) -> NodeTag | None:
+        """The root whose caller-given gradient this op sums with one just fed to it."""
+        if func not in _SUMS or len(read) < 2 or not self._stack:
             return None
-        key, consumer = self._window[0]
-        if key is not None and key not in set(keys):
+        found = next((i for i, (key, _) in enumerate(self._first) if key in read), None)
+        if found is None:
             return None
-        del self._window[0]
+        consumer = self._first[found][1]
+        del self._first[: found + 1]
         self._apply_waits(consumer)
+        frame = self._stack[-1]
+        if consumer.stream != frame.caller:
+            # The root gradient's ready event, recorded on the caller's stream; the
+            # engine record_streams both addends to the stream that sums them.
+            tracker = self._host.tracker
+            tracker.wait(consumer.stream, frame.start)
+            for other in read:
+                tracker.record_stream(other, consumer.stream)
         return consumer
 
     def catch_up(self) -> None:
@@ -202,6 +235,7 @@ class EngineModel:
         self._pending = None
         self._waits.clear()
         self._window.clear()
+        self._first.clear()
         self._buffered.clear()
         self._running.clear()
         self._stack.clear()
@@ -256,7 +290,7 @@ class EngineModel:
         if not node.next_functions:
             frame.leaf_streams.add(tag.stream)
         frame.running += 1
-        self._window = []
+        self._window, self._first = [], []
         self._host.switch_stream(tag.stream)
         self._stage = tag.stage
 
@@ -278,6 +312,7 @@ class EngineModel:
             self._stack[-1].running -= 1
         tracker = self._host.tracker
         window: list[tuple[int | None, NodeTag]] = []
+        first: list[tuple[int, NodeTag]] = []
         for grad, (consumer_node, slot) in zip(grad_inputs, node.next_functions, strict=True):
             if grad is None or consumer_node is None:
                 continue
@@ -297,8 +332,10 @@ class EngineModel:
             slots = self._buffered[consumer.id]
             if slot in slots:
                 window.append((key, consumer))  # a second gradient for this input: a sum
+            elif key is not None:
+                first.append((key, consumer))
             slots.add(slot)
-        self._window = window
+        self._window, self._first = window, first
 
     def _apply_waits(self, tag: NodeTag) -> None:
         for snapshot in self._waits.pop(tag.id, ()):
@@ -331,7 +368,7 @@ class EngineModel:
         if not self._stack:
             self._buffered.clear()
             self._finished = None
-        self._window = []
+        self._window, self._first = [], []
         self._host.switch_stream(frame.caller)
         self._stage = frame.stage_before
 
