@@ -37,6 +37,12 @@ how each point is modelled here:
    order than the engine gives, only there).
 7. A backward run from inside a node (reentrant checkpoint) is a graph task of its own:
    it ends when that node finishes, whatever order the engine runs its final callbacks in.
+8. Under ``torch.func.grad`` the nodes belong to functorch's wrapper tensors, which the
+   dispatch mode never sees (it sees the tensors they wrap, which have no ``grad_fn``),
+   yet the engine runs them as any other. A node is matched to the op that made it by
+   its sequence number (autograd numbers nodes per thread as it makes them, before the
+   op reaches the dispatch mode): it is tagged when it first runs an op, and the nodes
+   it feeds when it ends, from there on as in rules 1 to 6.
 
 The producer/consumer rules (3) are those of ``engine.cpp`` and ``input_buffer.cpp`` since
 torch 2.9 (the rewrite of the producer-consumer stream syncs: ready events, accumulation on
@@ -45,8 +51,10 @@ the consumer's stream); :data:`CHECKED_TORCH` is the range the model was checked
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -135,6 +143,11 @@ class EngineModel:
         self._first: list[tuple[int, NodeTag]] = []
         self._handles: list[RemovableHandle] = []
         self._stage: str | None = None
+        # Per thread, the autograd sequence number after each op, and the op's stream
+        # and stage (rule 8); nodes numbered before detection began are not matched.
+        self._seqs: defaultdict[int, list[int]] = defaultdict(list)
+        self._makers: defaultdict[int, list[tuple[VirtualStream, str | None]]] = defaultdict(list)
+        self._seq_start = {threading.get_ident(): torch._C._autograd._get_sequence_nr()}
 
     @property
     def in_backward(self) -> bool:
@@ -152,6 +165,9 @@ class EngineModel:
         """An op made ``outputs`` on ``stream``; autograd sets their ``grad_fn`` after it
         returns, so they are tagged at the next op (kept alive until then)."""
         self.flush()
+        thread = threading.get_ident()
+        self._seqs[thread].append(torch._C._autograd._get_sequence_nr())
+        self._makers[thread].append((stream, stage))
         if outputs:
             self._pending = (outputs, stream, stage)
 
@@ -223,7 +239,7 @@ class EngineModel:
         tag = self._tag(node)
         if tag is None:
             self.flush()
-            tag = self._tag(node)
+            tag = self._tag(node) or self._tag_unseen(node)
         if tag is not None and tag.id not in self._running and tag.id != self._finished:
             self._pre(node, tag, ())
 
@@ -239,6 +255,8 @@ class EngineModel:
         self._buffered.clear()
         self._running.clear()
         self._stack.clear()
+        self._seqs.clear()
+        self._makers.clear()
 
     # --- tagging --------------------------------------------------------------------
 
@@ -254,6 +272,23 @@ class EngineModel:
                 continue
             self._tag_node(node, stream, stage)
             stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+    def _tag_unseen(self, node: Node) -> NodeTag | None:
+        """Tag a node the detector saw no tensor of, with the op that made it (rule 8).
+
+        That op is the first one after the node's number was drawn. ``AccumulateGrad``
+        nodes have no number (the largest one), so they are never matched here.
+        """
+        thread = threading.get_ident()
+        seqs = self._seqs.get(thread)
+        number = node._sequence_nr()
+        if not seqs or number < self._seq_start.get(thread, 0):
+            return None
+        i = bisect.bisect_right(seqs, number)
+        if i == len(seqs):
+            return None
+        stream, stage = self._makers[thread][i]
+        return self._tag_node(node, stream, stage)
 
     def _tag_node(self, node: Node, stream: VirtualStream, stage: str | None) -> NodeTag:
         tag = NodeTag(id(self), next(self._ids), stream, stage)
@@ -316,8 +351,10 @@ class EngineModel:
         for grad, (consumer_node, slot) in zip(grad_inputs, node.next_functions, strict=True):
             if grad is None or consumer_node is None:
                 continue
-            consumer = self._tag(consumer_node) or self._tag_node(
-                consumer_node, tag.stream, tag.stage
+            consumer = (
+                self._tag(consumer_node)
+                or self._tag_unseen(consumer_node)
+                or self._tag_node(consumer_node, tag.stream, tag.stage)
             )
             self._fed.add(consumer.id)
             if self._stack and consumer_node.name() == _ACCUMULATE_GRAD:
