@@ -56,9 +56,13 @@ def intercept_new_threads(handler: OpHandler, prepare: OpPrepare) -> Iterator[No
     """Threads started inside the block report their ops to ``handler`` too.
 
     A dispatch mode is per thread, so a thread the code under test starts would run
-    unseen. ``threading.setprofile`` runs a function first thing in every new thread:
-    it enters an :class:`OpInterceptor` there and removes itself. After the block such a
-    thread's interceptor only runs ops (it cannot be left from here).
+    unseen. ``threading.setprofile`` runs a function first thing in every new thread, as
+    its ``run`` is called: it removes itself and makes the thread's target run inside an
+    :class:`OpInterceptor`. After the block such a thread's interceptor only runs ops.
+
+    The mode must be left before the thread ends: a mode still on a thread's stack is
+    released with the thread's C++ state, which needs the interpreter, and when that
+    happens while the interpreter finalizes the process aborts.
     """
     active = True
 
@@ -76,7 +80,22 @@ def intercept_new_threads(handler: OpHandler, prepare: OpPrepare) -> Iterator[No
 
     def start(frame: FrameType, event: str, arg: Any) -> None:
         sys.setprofile(previous)
-        OpInterceptor(report, prepare).__enter__()  # type: ignore[no-untyped-call]
+        mode = OpInterceptor(report, prepare)
+        thread: Any = threading.current_thread()
+        target = getattr(thread, "_target", None)
+        if target is not None:
+            # Thread.run has not looked up its target yet (this is its call event).
+            thread._target = _seen(mode, target)
+            return
+        # A run() of its own: leave the mode when that frame returns.
+        mode.__enter__()  # type: ignore[no-untyped-call]
+
+        def leave(left: FrameType, event: str, arg: Any) -> None:
+            if left is frame and event == "return":
+                sys.setprofile(previous)
+                mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+        sys.setprofile(leave)
 
     threading.setprofile(start)
     try:
@@ -84,3 +103,13 @@ def intercept_new_threads(handler: OpHandler, prepare: OpPrepare) -> Iterator[No
     finally:
         threading.setprofile(previous)
         active = False
+
+
+def _seen(mode: OpInterceptor, target: Callable[..., Any]) -> Callable[..., Any]:
+    """``target``, run inside ``mode``."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return target(*args, **kwargs)
+
+    return run

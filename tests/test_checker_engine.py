@@ -3,13 +3,20 @@ handed to two consumers, tensor hooks, root gradients, hidden writes, other thre
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ooo_wrap.testing import Detection, RaceKind, check, detect, host_read
+import ooo_wrap
+from ooo_wrap.testing import DetectingBackend, Detection, RaceKind, check, detect, host_read
 
 CPU = torch.device("cpu")
 RAW = RaceKind.READ_AFTER_WRITE
@@ -99,6 +106,38 @@ def test_a_root_gradient_from_the_caller_is_recorded_to_the_roots_stream() -> No
     assert found.ok, (found.races, found.allocator_hazards)
 
 
+class Chain(nn.Module):
+    """Two stages in a chain, both outputs returned: a backward from both is two roots."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ya = self.a(x)
+        return ya, self.b(ya)
+
+
+def test_a_root_that_another_root_feeds_sums_its_gradients_on_its_own_stream() -> None:
+    # The caller's gradient for ya and the one b's backward makes for it are summed on
+    # a's stream, after it waits on the caller's stream and on b's.
+    backend = DetectingBackend()
+    model = ooo_wrap.OOOModule(Chain(), streams=2, backend=backend, planner="static")
+    with detect(backend, keep_alive=[model]) as found:
+        ya, yb = model(torch.randn(3, 4))
+        torch.autograd.backward([ya, yb], [torch.ones_like(ya), torch.ones_like(yb)])
+        for param in model.parameters():
+            assert param.grad is not None
+            found.keep_alive(param.grad)
+            host_read(param.grad)
+    assert found.ok, (found.races, found.allocator_hazards)
+    forward = [op.stream for op in found.ops if op.op == "aten.addmm.default"]
+    sums = [op.stream for op in found.ops if op.phase == "backward" and "add" in op.op]
+    assert len(set(forward)) == 2
+    assert sums == forward[:1]
+
+
 @pytest.mark.parametrize("joined", [False, True])
 def test_batch_norm_writes_its_running_stats(joined: bool) -> None:
     bn = nn.BatchNorm1d(4)
@@ -142,6 +181,69 @@ def test_ops_of_another_thread_are_seen(joined: bool) -> None:
         assert [(r.kind, r.earlier.op, r.later.op) for r in found.races] == [
             (RAW, "aten.add_.Tensor", "aten.sum.default")
         ]
+
+
+class Observed(threading.Thread):
+    """A thread that says whether a dispatch mode is still entered once its target returned."""
+
+    mode_after_target: object = "not run"
+
+    def run(self) -> None:
+        super().run()
+        self.mode_after_target = _get_current_dispatch_mode()
+
+
+def test_a_thread_started_inside_detect_leaves_its_mode_when_its_target_returns() -> None:
+    # A mode left entered is freed only when the thread's C++ state is torn down, which
+    # can happen while the interpreter finalizes: the process aborts at exit.
+    with detect() as found:
+        worker = Observed(target=lambda: torch.ones(2).sum())
+        worker.start()
+        worker.join()
+    assert [r.op for r in found.ops] == ["aten.ones.default", "aten.sum.default"]
+    assert worker.mode_after_target is None
+
+
+_THREADS_AT_EXIT = """
+    import threading
+    import torch
+    from ooo_wrap.testing import detect
+
+    barrier = threading.Barrier(33)
+
+    def work():
+        torch.ones(4).sum()
+        barrier.wait()  # all end together, just before the interpreter exits
+
+    class Own(threading.Thread):
+        def run(self):
+            work()
+
+    with detect():
+        workers = [threading.Thread(target=work) for _ in range(16)]
+        workers += [Own() for _ in range(16)]
+        for worker in workers:
+            worker.start()
+        barrier.wait()
+        for worker in workers:
+            worker.join()
+"""
+
+
+def test_threads_started_inside_detect_let_the_process_exit_cleanly() -> None:
+    # Not deterministic on its own (the abort came in about a third of such runs): two
+    # processes at once, each exiting right after 32 threads that entered the mode, half
+    # of them with a run() of their own.
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    command = [sys.executable, "-c", textwrap.dedent(_THREADS_AT_EXIT)]
+    runs = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    for run in runs:
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err.decode()
 
 
 @pytest.mark.parametrize(

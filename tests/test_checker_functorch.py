@@ -57,8 +57,42 @@ def test_a_wrapped_model_under_func_grad_and_vmap() -> None:
         grad_x = torch.func.grad(lambda x: wrapped(x).sum())(x)
         host_read(batched)
         for tensor in (*grads.values(), grad_x):
+            found.keep_alive(tensor)  # made on the stages' streams: kept, as .grad is
             host_read(tensor)
     assert found.ok, (found.races, found.allocator_hazards)
     torch.testing.assert_close(batched, plain(x))
     torch.testing.assert_close(grad_x, torch.func.grad(lambda x: plain(x).sum())(x))
     assert {"side1", "side2"} <= {op.stream for op in found.ops}
+
+
+class DeepTwo(nn.Module):
+    """Two stages whose backward reads activations they made on their own streams."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.b = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+def test_the_backward_of_func_grad_runs_on_the_streams_of_the_forward() -> None:
+    # torch.func.grad runs the autograd engine on nodes made above the detector's view:
+    # each node's backward still runs on the stream that made it, as in a plain backward.
+    backend = DetectingBackend()
+    wrapped = ooo_wrap.OOOModule(DeepTwo(), streams=2, backend=backend, planner="static")
+    params = dict(wrapped.named_parameters())
+    x = torch.randn(3, 4)
+    with detect(backend, keep_alive=[wrapped]) as found:
+        grads = torch.func.grad(lambda p: torch.func.functional_call(wrapped, p, (x,)).sum())(
+            params
+        )
+        for grad in grads.values():
+            found.keep_alive(grad)
+            host_read(grad)
+    assert found.ok, (found.races, found.allocator_hazards)
+    forward = {op.stream for op in found.ops if op.op == "aten.tanh.default"}
+    backward = {op.stream for op in found.ops if op.op == "aten.tanh_backward.default"}
+    assert len(forward) == 2 and backward == forward
+    assert {op.phase for op in found.ops if op.op == "aten.tanh_backward.default"} == {"backward"}

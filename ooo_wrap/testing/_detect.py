@@ -228,7 +228,7 @@ class Detection:
                 self._engine.created(tensors_in(out), self.stream_now(), self._stage_now())
                 return
             uses = tensor_uses(func, args, kwargs, out, before)
-            consumer = self._engine.accumulation_target(u.key for u in uses if not u.fresh)
+            consumer = self._engine.accumulation_target(func, (u.key for u in uses if not u.fresh))
             if consumer is not None:
                 stream, stage = consumer.stream, consumer.stage
             else:

@@ -19,6 +19,12 @@ how each point is modelled here:
    by storage alone.
 4. The graph root waits on the stream that called ``backward()``, and the engine
    ``record_stream``s the root gradients (made on the caller's stream) to the root's.
+   With several roots the engine's ``GraphRoot`` node (no hook sees it) puts each root
+   gradient in its root's input buffer first, produced on the caller's stream; a root
+   that another root's backward also feeds (``backward([ya, b(ya)])``) sums the two on
+   its own stream after waiting on the caller's and on that producer's (rule 3). Such a
+   sum is recognized by the op: a gradient just fed to an empty slot, added to another
+   tensor.
 5. Tensor hooks (``y.register_hook``) run inside the consuming node's call, on its stream
    after its waits, but before its node pre-hooks: the engine's running node starts at
    the first op it runs, whichever hook comes first.
@@ -31,6 +37,12 @@ how each point is modelled here:
    order than the engine gives, only there).
 7. A backward run from inside a node (reentrant checkpoint) is a graph task of its own:
    it ends when that node finishes, whatever order the engine runs its final callbacks in.
+8. Under ``torch.func.grad`` the nodes belong to functorch's wrapper tensors, which the
+   dispatch mode never sees (it sees the tensors they wrap, which have no ``grad_fn``),
+   yet the engine runs them as any other. A node is matched to the op that made it by
+   its sequence number (autograd numbers nodes per thread as it makes them, before the
+   op reaches the dispatch mode): it is tagged when it first runs an op, and the nodes
+   it feeds when it ends, from there on as in rules 1 to 6.
 
 The producer/consumer rules (3) are those of ``engine.cpp`` and ``input_buffer.cpp`` since
 torch 2.9 (the rewrite of the producer-consumer stream syncs: ready events, accumulation on
@@ -39,8 +51,10 @@ the consumer's stream); :data:`CHECKED_TORCH` is the range the model was checked
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +77,8 @@ CHECKED_TORCH = ((2, 9), (2, 13))
 
 _TAG = "ooo_wrap.testing.stream"
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+# The ops the engine sums two gradients for one input with (``InputBuffer::accumulate``).
+_SUMS = frozenset({torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor})
 
 
 class EngineHost(Protocol):
@@ -122,8 +138,16 @@ class EngineModel:
         self._running: set[int] = set()
         self._finished: int | None = None
         self._window: list[tuple[int | None, NodeTag]] = []
+        # The last finished node's gradients that went to an empty input slot: the slot
+        # may already hold a root gradient from the caller, which no hook saw arrive.
+        self._first: list[tuple[int, NodeTag]] = []
         self._handles: list[RemovableHandle] = []
         self._stage: str | None = None
+        # Per thread, the autograd sequence number after each op, and the op's stream
+        # and stage (rule 8); nodes numbered before detection began are not matched.
+        self._seqs: defaultdict[int, list[int]] = defaultdict(list)
+        self._makers: defaultdict[int, list[tuple[VirtualStream, str | None]]] = defaultdict(list)
+        self._seq_start = {threading.get_ident(): torch._C._autograd._get_sequence_nr()}
 
     @property
     def in_backward(self) -> bool:
@@ -141,6 +165,9 @@ class EngineModel:
         """An op made ``outputs`` on ``stream``; autograd sets their ``grad_fn`` after it
         returns, so they are tagged at the next op (kept alive until then)."""
         self.flush()
+        thread = threading.get_ident()
+        self._seqs[thread].append(torch._C._autograd._get_sequence_nr())
+        self._makers[thread].append((stream, stage))
         if outputs:
             self._pending = (outputs, stream, stage)
 
@@ -155,7 +182,9 @@ class EngineModel:
             if node is not None and self._tag(node) is None:
                 self._tag_graph(node, stream, stage)
 
-    def accumulation_target(self, keys: Iterable[int]) -> NodeTag | None:
+    def accumulation_target(
+        self, func: torch._ops.OpOverload, keys: Iterable[int]
+    ) -> NodeTag | None:
         """The consumer node whose input buffer an op between two nodes accumulates into.
 
         The engine adds a second gradient for one input on the consumer's stream, after
@@ -163,13 +192,33 @@ class EngineModel:
         be attributed to the returned node's stream. Accumulations come in the order of
         the producer's edges; the op must read that edge's gradient.
         """
-        if not self._window:
+        read = set(keys)
+        if self._window:
+            key, consumer = self._window[0]
+            if key is None or key in read:
+                del self._window[0]
+                self._apply_waits(consumer)
+                return consumer
+        return self._root_sum(func, read)
+
+    def _root_sum(self, func: torch._ops.OpOverload, read: set[int]) -> NodeTag | None:
+        """The root whose caller-given gradient this op sums with one just fed to it."""
+        if func not in _SUMS or len(read) < 2 or not self._stack:
             return None
-        key, consumer = self._window[0]
-        if key is not None and key not in set(keys):
+        found = next((i for i, (key, _) in enumerate(self._first) if key in read), None)
+        if found is None:
             return None
-        del self._window[0]
+        consumer = self._first[found][1]
+        del self._first[: found + 1]
         self._apply_waits(consumer)
+        frame = self._stack[-1]
+        if consumer.stream != frame.caller:
+            # The root gradient's ready event, recorded on the caller's stream; the
+            # engine record_streams both addends to the stream that sums them.
+            tracker = self._host.tracker
+            tracker.wait(consumer.stream, frame.start)
+            for other in read:
+                tracker.record_stream(other, consumer.stream)
         return consumer
 
     def catch_up(self) -> None:
@@ -190,7 +239,7 @@ class EngineModel:
         tag = self._tag(node)
         if tag is None:
             self.flush()
-            tag = self._tag(node)
+            tag = self._tag(node) or self._tag_unseen(node)
         if tag is not None and tag.id not in self._running and tag.id != self._finished:
             self._pre(node, tag, ())
 
@@ -202,9 +251,12 @@ class EngineModel:
         self._pending = None
         self._waits.clear()
         self._window.clear()
+        self._first.clear()
         self._buffered.clear()
         self._running.clear()
         self._stack.clear()
+        self._seqs.clear()
+        self._makers.clear()
 
     # --- tagging --------------------------------------------------------------------
 
@@ -220,6 +272,23 @@ class EngineModel:
                 continue
             self._tag_node(node, stream, stage)
             stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+    def _tag_unseen(self, node: Node) -> NodeTag | None:
+        """Tag a node the detector saw no tensor of, with the op that made it (rule 8).
+
+        That op is the first one after the node's number was drawn. ``AccumulateGrad``
+        nodes have no number (the largest one), so they are never matched here.
+        """
+        thread = threading.get_ident()
+        seqs = self._seqs.get(thread)
+        number = node._sequence_nr()
+        if not seqs or number < self._seq_start.get(thread, 0):
+            return None
+        i = bisect.bisect_right(seqs, number)
+        if i == len(seqs):
+            return None
+        stream, stage = self._makers[thread][i]
+        return self._tag_node(node, stream, stage)
 
     def _tag_node(self, node: Node, stream: VirtualStream, stage: str | None) -> NodeTag:
         tag = NodeTag(id(self), next(self._ids), stream, stage)
@@ -256,7 +325,7 @@ class EngineModel:
         if not node.next_functions:
             frame.leaf_streams.add(tag.stream)
         frame.running += 1
-        self._window = []
+        self._window, self._first = [], []
         self._host.switch_stream(tag.stream)
         self._stage = tag.stage
 
@@ -278,11 +347,14 @@ class EngineModel:
             self._stack[-1].running -= 1
         tracker = self._host.tracker
         window: list[tuple[int | None, NodeTag]] = []
+        first: list[tuple[int, NodeTag]] = []
         for grad, (consumer_node, slot) in zip(grad_inputs, node.next_functions, strict=True):
             if grad is None or consumer_node is None:
                 continue
-            consumer = self._tag(consumer_node) or self._tag_node(
-                consumer_node, tag.stream, tag.stage
+            consumer = (
+                self._tag(consumer_node)
+                or self._tag_unseen(consumer_node)
+                or self._tag_node(consumer_node, tag.stream, tag.stage)
             )
             self._fed.add(consumer.id)
             if self._stack and consumer_node.name() == _ACCUMULATE_GRAD:
@@ -297,8 +369,10 @@ class EngineModel:
             slots = self._buffered[consumer.id]
             if slot in slots:
                 window.append((key, consumer))  # a second gradient for this input: a sum
+            elif key is not None:
+                first.append((key, consumer))
             slots.add(slot)
-        self._window = window
+        self._window, self._first = window, first
 
     def _apply_waits(self, tag: NodeTag) -> None:
         for snapshot in self._waits.pop(tag.id, ()):
@@ -331,7 +405,7 @@ class EngineModel:
         if not self._stack:
             self._buffered.clear()
             self._finished = None
-        self._window = []
+        self._window, self._first = [], []
         self._host.switch_stream(frame.caller)
         self._stage = frame.stage_before
 
