@@ -67,7 +67,7 @@ def wrap_checkpoint_unpacks(wrap: Callable[[UnpackHook], UnpackHook]) -> bool:
     through ``wrap(its unpack hook)``; returns whether this torch allows it.
 
     Non-reentrant ``torch.utils.checkpoint`` saves through the private
-    ``saved_tensors_hooks`` subclass ``torch.utils.checkpoint._checkpoint_hook(frame)``,
+    ``saved_tensors_hooks`` subclass ``torch.utils.checkpoint._checkpoint_hook``,
     made once per checkpointed call and looked up by name as the call starts (as read in
     torch 2.13); its unpack hook recomputes on first use and returns a recomputed tensor.
     That name is bound, once per process, to a subclass whose unpack hook is wrapped (for
@@ -83,8 +83,8 @@ def wrap_checkpoint_unpacks(wrap: Callable[[UnpackHook], UnpackHook]) -> bool:
 
     base: Any = original
 
-    def __init__(self: Any, frame: Any) -> None:
-        base.__init__(self, frame)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
         self.unpack_hook = wrap(self.unpack_hook)
 
     namespace = {"__init__": __init__, "_ooo_wrap_unpacks": True}
