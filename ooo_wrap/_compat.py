@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 __all__ = [
@@ -20,7 +21,10 @@ __all__ = [
     "is_compiled_module",
     "stale_capture_streams_overridden",
     "stream_is_capturing",
+    "wrap_checkpoint_unpacks",
 ]
+
+UnpackHook = Callable[[Any], torch.Tensor]
 
 # The private dicts ``register_forward_pre_hook`` / ``register_forward_hook`` fill, by name
 # (each maps a handle id to a hook or to ``True``); present since torch 2.1.
@@ -56,6 +60,36 @@ def is_checkpoint_early_stop(error: BaseException) -> bool:
     checkpoint = sys.modules.get("torch.utils.checkpoint")
     stop = getattr(checkpoint, "_StopRecomputationError", None)
     return stop is not None and isinstance(error, stop)
+
+
+def wrap_checkpoint_unpacks(wrap: Callable[[UnpackHook], UnpackHook]) -> bool:
+    """Make each non-reentrant checkpoint started from now on unpack its saved tensors
+    through ``wrap(its unpack hook)``; returns whether this torch allows it.
+
+    Non-reentrant ``torch.utils.checkpoint`` saves through the private
+    ``saved_tensors_hooks`` subclass ``torch.utils.checkpoint._checkpoint_hook``,
+    made once per checkpointed call and looked up by name as the call starts (as read in
+    torch 2.13); its unpack hook recomputes on first use and returns a recomputed tensor.
+    That name is bound, once per process, to a subclass whose unpack hook is wrapped (for
+    every checkpoint in the process: ``wrap`` must change nothing where no stage runs).
+    Without the name, nothing changes.
+    """
+    module: Any = torch.utils.checkpoint
+    original = getattr(module, "_checkpoint_hook", None)
+    if not isinstance(original, type):
+        return False
+    if getattr(original, "_ooo_wrap_unpacks", False):
+        return True
+
+    base: Any = original
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        self.unpack_hook = wrap(self.unpack_hook)
+
+    namespace = {"__init__": __init__, "_ooo_wrap_unpacks": True}
+    module._checkpoint_hook = type(original.__name__, (original,), namespace)
+    return True
 
 
 def stream_is_capturing(stream: Any) -> bool:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import _deferred
-from ._backend import Stream
+from ._backend import Backend, Stream
 from ._bypass import eager_bypass_reason
 from ._plan import Stage
 
@@ -140,6 +140,9 @@ class ThreadState(threading.local):
         # pending wait (a queued wait keeps the state it saw), but another thread's could.
         self.events: dict[StageRuntime, list[Any]] = {}
         self.unseen: list[str] = []  # type names tensors_in could not see into
+        # Inside a checkpoint's unpack hook (it may recompute): the (backend, device) of
+        # each stage call run there (_recompute.py); None elsewhere.
+        self.recomputing: list[tuple[Backend, torch.device]] | None = None
 
 
 thread_state = ThreadState()

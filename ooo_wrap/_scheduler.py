@@ -229,6 +229,11 @@ class Scheduler:
         else:
             reason = eager_bypass_reason()
         backend = self._backend
+        if local.recomputing is not None:
+            # A checkpoint recomputing in backward, forked or inline: what this call saves
+            # is ordered for each node that reads it as the unpack hook returns, on
+            # whatever stream that node runs (_recompute.py).
+            local.recomputing.append((backend, stage.device))
         if reason is not None:
             if _deferred.pending_count():
                 # It runs on the caller's stream, one level down where no touch is seen:
@@ -331,6 +336,7 @@ class Scheduler:
             if not (
                 self.overlap_forward
                 and local.calls
+                and local.recomputing is None  # a recomputation's end event must follow it
                 and sys.exc_info()[1] is frame.outer_exception
                 and _deferred.defer(
                     len(frames),

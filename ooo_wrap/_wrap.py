@@ -24,6 +24,7 @@ from ._learn import Learner, finish, named_stages, pending_plan
 from ._options import Planner, WrapOptions
 from ._plan import Plan, plan, plural
 from ._profiling import ProfiledScheduler
+from ._recompute import install as install_recompute_ordering
 from ._scheduler import Scheduler, running
 from ._serialize import deepcopy_wrapped, reduce_wrapped
 from ._stats import Counters, OOOStats
@@ -532,6 +533,7 @@ def _install(
 ) -> nn.Module:
     """Register hooks (the scheduler's, or the learner's when ``learn_on`` names the device
     to learn on) and swap the class; undo all of it on any failure."""
+    install_recompute_ordering()  # before the first forward: the learning step's checkpoints too
     original_class = type(model)
     names_before = _names(model)
     log = EventLog()

@@ -5,6 +5,9 @@ change no arithmetic)."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -12,8 +15,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
+from ooo_wrap import _learn, _recompute
 from ooo_wrap import _scheduler as scheduler_module
-from ooo_wrap.testing import SimulatedBackend, check
+from ooo_wrap.testing import DetectingBackend, SimulatedBackend, check, detect
 from ooo_wrap.testing._simulated import DEFAULT_STREAM
 
 STEPS = 3
@@ -284,3 +288,146 @@ def test_autocast_weight_tied_across_stages_keeps_bitwise_parity() -> None:
     out.sum().backward()
     expected.sum().backward()
     torch.testing.assert_close(wrapped.a.weight.grad, plain.a.weight.grad, rtol=0, atol=0)
+
+
+# These models are far too small for a fork to pay on a real GPU: the learner's reference
+# GPU gets a near-free fork, so that the dataflow planner puts the branches on streams.
+_FREE_FORK = replace(_learn.REFERENCE_GPU, fork_join_us=1e-6)
+
+
+def _tower() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+
+
+class CheckpointedBranches(nn.Module):
+    """A checkpointed region whose branches are stages, then a head outside it.
+
+    Two stages: ``a(x).tanh() + b(x)``; three: ``a(x) * b(x) + c(x)``. In both, the first
+    backward node to unpack a saved tensor of the region is the last stage's, so the
+    recomputation runs on that stage's stream, while the region's own ops (``tanh``,
+    ``*``) saved tensors that their nodes read on the caller's stream.
+    """
+
+    def __init__(self, branches: int) -> None:
+        super().__init__()
+        self.names = ["a", "b", "c"][:branches]
+        for name in self.names:
+            self.add_module(name, _tower())
+        self.head = nn.Linear(16, 4)
+
+    def region(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.names) == 2:
+            return self.a(x).tanh() + self.b(x)
+        return self.a(x) * self.b(x) + self.c(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(self.region, x, use_reentrant=False)
+        return self.head(out)
+
+
+def _check_branches(
+    branches: int, planner: str, overlap_forward: bool = False, steps: int = 3
+) -> ooo_wrap.testing.CheckReport:
+    torch.manual_seed(0)
+    model = CheckpointedBranches(branches)
+    stages = model.names if planner == "static" else None
+    with mock.patch.object(_learn, "REFERENCE_GPU", _FREE_FORK):
+        return check(
+            model,
+            torch.randn(8, 16),
+            streams=3,
+            stages=stages,
+            steps=steps,
+            planner=planner,  # type: ignore[arg-type]
+            overlap_forward=overlap_forward,
+        )
+
+
+@pytest.mark.parametrize("overlap_forward", [False, True], ids=["joins", "overlap_forward"])
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+@pytest.mark.parametrize("branches", [2, 3], ids=["two_stages", "three_stages"])
+def test_checkpointed_region_of_stages_passes_the_race_check(
+    branches: int, planner: str, overlap_forward: bool
+) -> None:
+    # The recomputation runs inside the first node that unpacks (a stage's, on its side
+    # stream); the nodes that read the recomputed tensors run on other streams, so each
+    # must wait for the recomputation and record_stream what it reads.
+    report = _check_branches(branches, planner, overlap_forward)
+    assert report.ok, str(report)
+    side = {row.stream for row in report.ops if row.stream != "default" and row.backward}
+    # The branches did run apart (the dataflow plan may keep one on the caller's stream).
+    assert len(side) >= branches - 1, str(report)
+
+
+class _Dropping:
+    """A backend that leaves one call out (a mutant of the recomputation's ordering)."""
+
+    def __init__(self, backend: object, dropped: str) -> None:
+        self._backend, self._dropped = backend, dropped
+
+    def __getattr__(self, name: str) -> object:
+        if name == self._dropped:
+            return lambda *args: None
+        return getattr(self._backend, name)
+
+
+@pytest.mark.parametrize("dropped", ["wait_event", "record_stream"])
+def test_without_ordering_the_recomputed_tensors_check_finds_it(
+    monkeypatch: pytest.MonkeyPatch, dropped: str
+) -> None:
+    # Mutation test: each unpack's wait on the recomputation's end event is what orders
+    # the readers, and its record_stream what keeps the memory from reuse.
+    original = _recompute.order_unpacked
+
+    def mutant(tensor: torch.Tensor, ends: list[tuple[Any, torch.device, Any]]) -> None:
+        original(tensor, [(_Dropping(b, dropped), d, e) for b, d, e in ends])
+
+    monkeypatch.setattr(_recompute, "order_unpacked", mutant)
+    report = _check_branches(3, "static", steps=1)
+    if dropped == "wait_event":
+        assert report.races and not report.allocator_hazards, str(report)
+    else:
+        assert report.allocator_hazards and not report.races, str(report)
+
+
+def test_a_recomputation_run_inline_is_ordered_for_its_readers() -> None:
+    # Backward inside disabled(): the recomputed stage calls run inline on the stream of
+    # the node that unpacked first, while the forward's nodes run on the stages' streams.
+    torch.manual_seed(0)
+    backend = DetectingBackend()
+    model = ooo_wrap.OOOModule(
+        CheckpointedBranches(3),
+        streams=3,
+        stages=["a", "b", "c"],
+        backend=backend,
+        planner="static",
+    )
+    with detect(backend, keep_alive=[model]) as found:
+        out = model(torch.randn(8, 16))
+        with ooo_wrap.disabled():
+            out.square().mean().backward()
+    assert model.stats.bypasses == 3  # the three recomputed calls
+    assert found.ok, (found.races, found.allocator_hazards)
+
+
+def test_learning_step_recomputing_on_a_new_side_stream_is_hazard_free() -> None:
+    # The first dataflow step runs inline (every node on the caller's stream); the plan
+    # is learned before its backward, whose recomputation then forks onto the new side
+    # streams: what it saves is allocated there but read on the caller's stream.
+    report = _check_branches(2, "dataflow", steps=1)
+    assert report.not_checked is not None  # only the learning step ran
+    assert not report.races and not report.allocator_hazards, str(report)
+
+
+def test_recomputed_ops_are_labelled_with_their_stage() -> None:
+    report = _check_branches(3, "static", steps=1)
+    # addmm is a forward op (Linear's backward runs mm): in backward only recomputation
+    # runs it, inside the node of stage c, which started it; each stage's own ops keep
+    # its name and its stream.
+    forward = {r.stage: r.stream for r in report.trace if r.op == "aten.addmm.default"}
+    recomputed = {
+        (r.stage, r.stream)
+        for r in report.trace
+        if r.phase == "backward" and r.op == "aten.addmm.default"
+    }
+    assert recomputed == {(name, forward[name]) for name in "abc"}, recomputed

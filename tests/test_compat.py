@@ -109,6 +109,32 @@ def test_private_names_missing_from_torch_mean_no_match(monkeypatch: pytest.Monk
     assert _compat.is_checkpoint_early_stop(Stop()) is True
 
 
+def test_checkpoint_unpacks_are_wrapped_once_and_only_where_torch_has_the_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.utils.checkpoint as checkpoint
+
+    def unpack(holder: object) -> torch.Tensor:
+        return torch.zeros(1)
+
+    class Hook(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self, frame: object) -> None:
+            super().__init__(lambda x: x, unpack)
+
+    def wrap(inner: _compat.UnpackHook) -> _compat.UnpackHook:
+        return lambda holder: inner(holder) + 1
+
+    monkeypatch.setattr(checkpoint, "_checkpoint_hook", Hook)
+    assert _compat.wrap_checkpoint_unpacks(wrap) is True
+    wrapped = checkpoint._checkpoint_hook
+    assert issubclass(wrapped, Hook) and wrapped is not Hook
+    assert wrapped(None).unpack_hook(None).item() == 1  # type: ignore[no-untyped-call]
+    assert _compat.wrap_checkpoint_unpacks(wrap) is True
+    assert checkpoint._checkpoint_hook is wrapped  # not wrapped twice
+    monkeypatch.delattr(checkpoint, "_checkpoint_hook")
+    assert _compat.wrap_checkpoint_unpacks(wrap) is False
+
+
 @pytest.mark.parametrize("before", [False, True])
 def test_the_stale_capture_stream_override_is_set_for_the_block_only(before: bool) -> None:
     if not hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):

@@ -134,7 +134,8 @@ class Detection:
         self._events: dict[int, Clock] = {}
         self._engine = EngineModel(self)
         self._records: list[OpRecord] = []
-        self._stages: list[str] = []
+        # Stage labels pushed, innermost last, each with whether it was pushed in backward.
+        self._stages: list[tuple[str, bool]] = []
         self._phase: Phase = "forward"
         # Threads started inside detect() report here too.
         self._lock = threading.RLock()
@@ -197,7 +198,7 @@ class Detection:
             self._phase = before
 
     def _push_stage(self, name: str) -> None:
-        self._stages.append(name)
+        self._stages.append((name, self._engine.in_backward))
 
     def _pop_stage(self) -> None:
         if self._stages:
@@ -258,9 +259,12 @@ class Detection:
             self._device_checks_now -= 1
 
     def _stage_now(self) -> str | None:
-        if self._engine.in_backward:
+        stages = self._stages
+        if self._engine.in_backward and not (stages and stages[-1][1]):
+            # The running node's stage, unless a stage call is running inside it (a
+            # checkpoint recomputing a stage in the node that unpacked first).
             return self._engine.stage
-        return self._stages[-1] if self._stages else None
+        return stages[-1][0] if stages else None
 
     def _record(
         self,

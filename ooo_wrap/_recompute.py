@@ -1,0 +1,75 @@
+"""Ordering what a non-reentrant checkpoint recomputes in backward, for whoever reads it.
+
+Non-reentrant ``torch.utils.checkpoint`` recomputes its region inside the unpack hook of
+the first backward node that unpacks one of the region's saved tensors, on that node's
+stream ``r`` (the engine makes a node's stream current while it runs); each other node of
+the region then unpacks its recomputed tensors on its own stream. The engine orders nodes
+only along gradients, so a node on another stream (the caller's, for the region's own ops
+such as ``a(x) * b(x)``; a stage's, for what the stage saved) may read what the
+recomputation wrote on ``r``, or on a stage stream it forked to, with nothing in between;
+and that memory goes back to the pool of the stream it was allocated on. When a stage call
+runs inside the unpack hook:
+
+1. Each recomputed stage call forks from ``r`` and joins back into it (never deferred), or
+   runs inline on ``r``, so an event ``e`` recorded on ``r`` as the hook returns follows
+   every op of the recomputation.
+2. Every later unpack from that checkpoint, and this one, makes the unpacking node's stream
+   wait on ``e`` (queued before the node's kernels, which run after it unpacks) and calls
+   ``record_stream`` for that stream on the tensor: the checkpoint holds it until unpacked,
+   the node after, and its block is not reused before this stream's reads are done.
+
+Nothing here depends on the plan: wherever the forward's nodes and the recomputation ran,
+each reader waits and records. Where no stage runs, the checkpoint's hook runs unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._backend import Backend
+from ._compat import UnpackHook, wrap_checkpoint_unpacks
+from ._inflight import thread_state
+
+__all__ = ["install", "order_unpacked"]
+
+
+def install() -> None:
+    """Route every non-reentrant checkpoint's unpacks through :func:`_ordered` from now on."""
+    wrap_checkpoint_unpacks(_ordered)
+
+
+def _ordered(unpack: UnpackHook) -> UnpackHook:
+    """``unpack``, one checkpointed call's, made to order each tensor for its reader."""
+    # The end event of each recomputation that ran a stage, with its backend and device.
+    ends: list[tuple[Backend, torch.device, Any]] = []
+
+    def unpack_hook(holder: Any) -> torch.Tensor:
+        local = thread_state
+        outer = local.recomputing
+        ran = local.recomputing = []
+        try:
+            tensor = unpack(holder)
+        finally:
+            local.recomputing = outer
+        if ran:
+            if outer is not None:
+                outer += ran  # a recomputation run inside another's: it joined there too
+            for backend, device in dict.fromkeys(ran):
+                # 1. e follows the recomputation: its stage calls all joined into r.
+                ends.append((backend, device, backend.record_event(backend.current_stream(device))))
+        if ends:
+            order_unpacked(tensor, ends)
+        return tensor
+
+    return unpack_hook
+
+
+def order_unpacked(tensor: torch.Tensor, ends: list[tuple[Backend, torch.device, Any]]) -> None:
+    """2. The unpacking node's stream waits on each end event; ``record_stream`` for it."""
+    for backend, device, event in ends:
+        if tensor.device == device:
+            stream = backend.current_stream(device)
+            backend.wait_event(stream, event)
+            backend.record_stream(tensor, stream)
