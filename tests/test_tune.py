@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import doctest
 import pickle
 import random
+import re
 from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from _distributed import REPO_ROOT
 from models import hook_count, make_two_towers, two_tower_input
 from torch import nn
 
@@ -417,3 +420,20 @@ def test_decide_needs_the_gain_to_beat_the_spread() -> None:
     plain = (10.0,) * 6
     assert decide(plan, plain, 6, final=True) == "plain"
     assert decide((8.4, 8.5, 8.5, 8.5, 8.5, 8.6), plain, 6, final=False) == "plan"
+
+
+def test_the_readme_example_prints_what_it_shows() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("### Measured tuning", 1)[1]
+    (block,) = re.findall(r"```pycon\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    test = doctest.DocTestParser().get_doctest(
+        block,
+        {"ooo_wrap": ooo_wrap, "two_towers": make_two_towers(), "x": two_tower_input()},
+        "README: Measured tuning",
+        "README.md",
+        0,
+    )
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+    assert runner.summarize(verbose=False).attempted >= 4
