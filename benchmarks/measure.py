@@ -71,22 +71,33 @@ Dtype = Literal["float32", "bfloat16"]
 DTYPES: tuple[Dtype, ...] = ("float32", "bfloat16")
 _AUTOCAST: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
 
-Mode = Literal["plain", "wrapped", "wrapped_overlap", "plain_graphed", "wrapped_graphed"]
+Mode = Literal[
+    "plain", "wrapped", "wrapped_overlap", "wrapped_tuned", "plain_graphed", "wrapped_graphed"
+]
 # In this order each point measures them, and each timing round steps them.
 MODES: tuple[Mode, ...] = (
     "plain",
     "wrapped",
     "wrapped_overlap",
+    "wrapped_tuned",
     "plain_graphed",
     "wrapped_graphed",
 )
 REQUIRED_MODES: tuple[Mode, ...] = ("plain", "wrapped")  # every other mode is compared to them
 GRAPHED_MODES: tuple[Mode, ...] = ("plain_graphed", "wrapped_graphed")
-WRAPPED_MODES: tuple[Mode, ...] = ("wrapped", "wrapped_overlap", "wrapped_graphed")
+WRAPPED_MODES: tuple[Mode, ...] = (
+    "wrapped",
+    "wrapped_overlap",
+    "wrapped_tuned",
+    "wrapped_graphed",
+)
 MODE_DESCRIPTIONS: dict[Mode, str] = {
     "plain": "the model as it is, eager",
-    "wrapped": "OOOModule, eager",
-    "wrapped_overlap": "OOOModule(overlap_forward=True), eager",
+    "wrapped": "OOOModule(tune=False), eager: the plan itself, never dropped",
+    "wrapped_overlap": "OOOModule(overlap_forward=True, tune=False), eager",
+    "wrapped_tuned": "OOOModule(tune='auto'), eager: the wrapper times plain against planned "
+    "steps and keeps the faster; each point records its decision and both medians beside "
+    "this mode's own interleaved times",
     "plain_graphed": "the model as it is, the whole step captured as one CUDA graph, replayed",
     "wrapped_graphed": "OOOModule, the whole step captured as one CUDA graph, replayed; "
     "each point records the wrapper's stage calls forked onto side streams and run inline "
@@ -346,6 +357,7 @@ def measure_point(
                 backend=backend,
                 planner=planner,  # type: ignore[arg-type]
                 overlap_forward=mode == "wrapped_overlap",
+                tune="auto" if mode == "wrapped_tuned" else False,
             )
         if mode in GRAPHED_MODES:
             return _GraphedSide(
@@ -430,6 +442,11 @@ def measure_point(
         except Exception as error:
             fail(mode, error)
     del reference  # the sides' copies on the device from here on, not one more
+    for side in sides:
+        if side.name == "wrapped_tuned":
+            # Interleaved, the time between two of its timing marks would include the
+            # other sides' steps: it tunes alone first, then is timed with the others.
+            record[side.name]["tuning_steps"] = _tune_alone(side, spec, batch, point.dtype, sync)
     times: dict[str, list[float]] = {side.name: [] for side in sides}
     losses: dict[str, torch.Tensor] = {}
     stats_before = {side.name: _stats(side.model) for side in sides}
@@ -491,6 +508,8 @@ def _wrapper_fields(
         return
     entry["stages"] = len(model.plan.stages)
     entry["streams"] = model.plan.num_streams
+    if side.name == "wrapped_tuned":
+        entry["tuning"] = _tuning_fields(model.tuning)
     if side.name not in GRAPHED_MODES:
         assert before is not None
         entry["stats_per_step"] = {key: (after[key] - before[key]) / steps for key in after}
@@ -503,6 +522,42 @@ def _wrapper_fields(
     entry["capture_stage_calls"] = forked
     entry["capture_bypasses"] = inline
     entry["wrapper_in_capture"] = _where_in_capture(entry["stages"], forked, inline)
+
+
+def _tune_alone(
+    side: _Side, spec: ModelSpec, batch: Any, dtype: Dtype, sync: Callable[[], None]
+) -> int:
+    """Step ``side`` alone until its tuning decides (or it cannot tune); the steps taken."""
+    model = side.model
+    for taken in range(_MAX_TUNING_STEPS):
+        tuning = model.tuning if isinstance(model, ooo_wrap.OOOModule) else None
+        if tuning is None:  # it cannot tune (or, before the first step, has not begun)
+            if taken > 0:
+                return taken
+        elif tuning.decision != "pending":
+            return taken
+        side.step(spec, batch, dtype)
+        sync()
+    return _MAX_TUNING_STEPS
+
+
+# Past every tuning's cap (learning forward, warm-ups, three rounds of pairs, skips).
+_MAX_TUNING_STEPS = 100
+
+
+def _tuning_fields(tuning: ooo_wrap.Tuning | None) -> dict[str, Any] | None:
+    """The wrapper's own measurement: ``None`` where its backend cannot time steps."""
+    if tuning is None:
+        return None
+    return {
+        "decision": tuning.decision,
+        "device": tuning.device,
+        "plan_median_ms": tuning.plan_median_ms,
+        "plain_median_ms": tuning.plain_median_ms,
+        "speedup": tuning.speedup,
+        "plan_ms": list(tuning.plan_ms),
+        "plain_ms": list(tuning.plain_ms),
+    }
 
 
 def _where_in_capture(stages: int, forked: int, inline: int) -> str:

@@ -150,7 +150,22 @@ def _mode_note(record: Record, mode: str) -> str:
     elif side.get("stats_per_step"):
         stats = side["stats_per_step"]
         notes.append(f"{stats['waits']:g} waits / {stats['record_streams']:g} record_streams")
+    if mode == "wrapped_tuned":
+        notes.append(_tuning_note(side.get("tuning"), side.get("tuning_steps")))
     return "; ".join(notes) or "-"
+
+
+def _tuning_note(tuning: dict[str, Any] | None, steps: int | None) -> str:
+    """The wrapper's own measured decision, beside the mode's interleaved time."""
+    if tuning is None:
+        return "did not tune (the backend cannot time steps)"
+    if tuning["speedup"] is None:
+        return f"tuning {tuning['decision']} after {steps} steps (too few timed)"
+    return (
+        f"tuning: {tuning['decision']} after {steps} steps alone, its medians "
+        f"{tuning['plan_median_ms']:.3f} ms planned vs {tuning['plain_median_ms']:.3f} ms plain "
+        f"({tuning['speedup']:.3f}x, measured by the wrapper)"
+    )
 
 
 def modes_table(records: Sequence[Record]) -> str:

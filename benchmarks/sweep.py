@@ -132,6 +132,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "deferred until touched, beside wrapped",
     )
     g.add_argument(
+        "--tuned",
+        action="store_true",
+        help="add the mode wrapped_tuned: OOOModule(tune='auto'), the wrapper's own measured "
+        "decision recorded beside this mode's interleaved times",
+    )
+    g.add_argument(
         "--graphs",
         action="store_true",
         help="add the modes plain_graphed and wrapped_graphed: the whole training step "
@@ -172,6 +178,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     wanted = list(args.modes)
     if args.overlap_forward:
         wanted.append("wrapped_overlap")
+    if args.tuned:
+        wanted.append("wrapped_tuned")
     if args.graphs:
         wanted += GRAPHED_MODES
     args.modes = list(check_modes(wanted))

@@ -12,6 +12,7 @@ from ._events import EventKind, OOOEvent
 from ._graphs import GraphedStep, graphed_step, make_graphed_callables
 from ._plan import Plan, Stage, plan
 from ._stats import OOOStats
+from ._tune import Tuning
 from ._wrap import OOOModule, events_for, unwrap
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "OOOStats",
     "Plan",
     "Stage",
+    "Tuning",
     "disabled",
     "events_for",
     "from_config",

@@ -1,8 +1,13 @@
 """The stream primitives the scheduler needs, and their implementation on real accelerators.
 
-This is the only module that touches device streams. It uses the device-generic
-``torch.Stream`` / ``torch.Event`` / ``torch.accelerator`` API, so CUDA, ROCm and XPU share
-one code path.
+This is the only module that touches device streams and events. It uses the
+device-generic ``torch.Stream`` / ``torch.Event`` / ``torch.accelerator`` API, so CUDA,
+ROCm and XPU share one code path.
+
+A backend that can time training steps also has ``step_clock(device)``, returning a
+:class:`StepClock` (timing events read without a per-step host sync) or ``None``; it is
+optional, so a backend written against :class:`Backend` alone keeps working and simply
+cannot time (:func:`clock_of`).
 """
 
 from __future__ import annotations
@@ -13,11 +18,20 @@ import torch
 
 from ._compat import stream_is_capturing
 
-__all__ = ["AcceleratorBackend", "Backend", "Event", "Stream"]
+__all__ = [
+    "AcceleratorBackend",
+    "AcceleratorClock",
+    "Backend",
+    "Event",
+    "StepClock",
+    "Stream",
+    "clock_of",
+]
 
 # Streams and events are opaque to the scheduler: it only hands them back to its backend.
 Stream: TypeAlias = Any
 Event: TypeAlias = Any
+Mark: TypeAlias = Any  # a timing event of a StepClock
 
 
 class Backend(Protocol):
@@ -60,6 +74,37 @@ class Backend(Protocol):
     def is_capturing(self, stream: Stream) -> bool:
         """Whether ``stream`` is recording a graph capture."""
         ...
+
+
+class StepClock(Protocol):
+    """Timing marks on a stream, compared once the device has passed them."""
+
+    device_name: str
+
+    def mark(self, stream: Stream) -> Mark:
+        """Record a timing mark on ``stream`` now (no host synchronization)."""
+        ...
+
+    def done(self, mark: Mark) -> bool:
+        """Whether the device has passed ``mark`` (a non-blocking query)."""
+        ...
+
+    def synchronize(self, mark: Mark) -> None:
+        """Block the host until the device has passed ``mark``."""
+        ...
+
+    def elapsed_ms(self, start: Mark, end: Mark) -> float:
+        """Milliseconds on the device from ``start`` to ``end``; both must be done."""
+        ...
+
+
+def clock_of(backend: Backend, device: torch.device) -> StepClock | None:
+    """The backend's step clock for ``device``, or ``None`` if it cannot time steps."""
+    step_clock = getattr(backend, "step_clock", None)
+    if not callable(step_clock):
+        return None
+    clock: StepClock | None = step_clock(device)
+    return clock
 
 
 class AcceleratorBackend:
@@ -113,6 +158,32 @@ class AcceleratorBackend:
 
     def is_capturing(self, stream: Stream) -> bool:
         return stream_is_capturing(stream)  # torch.Stream.is_capturing is newer than 2.11
+
+    def step_clock(self, device: torch.device) -> StepClock | None:
+        return AcceleratorClock(device) if self.unsupported_reason(device) is None else None
+
+
+class AcceleratorClock:
+    """:class:`StepClock` of ``torch.Event(enable_timing=True)`` on an accelerator."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        get_name = getattr(getattr(torch, device.type, None), "get_device_name", None)
+        self.device_name = str(get_name(device)) if callable(get_name) else str(device)
+
+    def mark(self, stream: Stream) -> Mark:
+        event = torch.Event(device=self._device, enable_timing=True)
+        stream.record_event(event)
+        return event
+
+    def done(self, mark: Mark) -> bool:
+        return bool(mark.query())
+
+    def synchronize(self, mark: Mark) -> None:
+        mark.synchronize()
+
+    def elapsed_ms(self, start: Mark, end: Mark) -> float:
+        return float(start.elapsed_time(end))
 
 
 def _has_accelerator() -> bool:

@@ -22,6 +22,9 @@ BYPASS_MESSAGES = {
     "them out",
     "tracing": "running under torch.jit.trace: stages run inline",
     "disabled": "inside ooo_wrap.disabled(): stages run inline on the caller's stream",
+    "tuning": "measured tuning runs every other training step as the plain model (stages "
+    "inline on the caller's stream) to time it against the plan; model.tuning shows the "
+    "measurement",
     "no_grad": "gradients are off (torch.no_grad or torch.inference_mode): there is no "
     "backward to overlap, so stages run inline on the caller's stream",
 }

@@ -16,7 +16,7 @@ from ._wrap import OOOModule, record_fallback
 
 __all__ = ["from_config"]
 
-_KNOWN_KEYS = ("ooo_backprop", "ooo_streams", "ooo_planner", "ooo_overlap_forward")
+_KNOWN_KEYS = ("ooo_backprop", "ooo_streams", "ooo_planner", "ooo_overlap_forward", "ooo_tune")
 
 logger = logging.getLogger("ooo_wrap")
 
@@ -27,9 +27,10 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
     Keys read: ``ooo_backprop`` (bool, default ``False``), ``ooo_streams`` (positive int,
     default 4), ``ooo_planner`` (``"dataflow"``, the default, or ``"static"``; see
     :class:`OOOModule`), ``ooo_overlap_forward`` (bool, default ``False``: see
-    ``overlap_forward`` of :class:`OOOModule`) and ``compile`` (bool, default ``False``:
-    when true the model is returned
-    untouched with a warning, since the compiled path wins). Other keys are ignored, but
+    ``overlap_forward`` of :class:`OOOModule`), ``ooo_tune`` (``True``, ``False`` or
+    ``"auto"``, the default: see ``tune`` of :class:`OOOModule`) and ``compile`` (bool,
+    default ``False``: when true the model is returned untouched with a warning, since the
+    compiled path wins). Other keys are ignored, but
     an unknown ``ooo_*`` key is an error, so a typo cannot silently turn the feature off.
 
     Args:
@@ -59,12 +60,21 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
     overlap_forward = _flag(config, "ooo_overlap_forward")
     streams = check_streams(config.get("ooo_streams", 4), "config['ooo_streams']")
     planner = check_planner(config.get("ooo_planner", "dataflow"), "config['ooo_planner']")
+    tune = config.get("ooo_tune", "auto")
+    if not (isinstance(tune, bool) or tune == "auto"):
+        raise OOOConfigError(f"config['ooo_tune'] must be true, false or 'auto', got {tune!r}")
     if not enabled:
         logger.debug("ooo_backprop is off in the config; model left untouched")
         return model
     if compiled:
         return record_fallback(model, "compiled", warn=True)
-    wrapped: nn.Module = OOOModule(model, streams, planner=planner, overlap_forward=overlap_forward)
+    wrapped: nn.Module = OOOModule(
+        model,
+        streams,
+        planner=planner,
+        overlap_forward=overlap_forward,
+        tune=tune,
+    )
     return wrapped
 
 

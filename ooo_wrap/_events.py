@@ -18,6 +18,7 @@ class EventKind(enum.Enum):
     ENABLED = "enabled"
     PLANNED = "planned"  # the dataflow planner learned, fell back to the static plan, or replans
     DISABLED = "disabled"
+    TUNED = "tuned"  # measured tuning kept the plan, or could not finish before a capture
     SETUP_FAILED = "setup_failed"
     BYPASSED = "bypassed"
     STAGE_FAILED = "stage_failed"

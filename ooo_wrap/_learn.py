@@ -218,39 +218,22 @@ def finish(
     elif learned is not None:
         log.add(OOOEvent(EventKind.PLANNED, "learned", _summary(the_plan)), level=logging.INFO)
     if learned is not None and learned.outcome == "no_parallelism":
-        _stop(state, "no_parallelism", learned.no_parallelism_message)
+        state.stop("no_parallelism", learned.no_parallelism_message)
         return
     if not the_plan.stages or (failure is not None and len(the_plan.stages) < 2):
-        _stop(state, "too_few_stages", "fewer than two stages: nothing to overlap")
+        state.stop("too_few_stages", "fewer than two stages: nothing to overlap")
         return
     if len(the_plan.devices) > 1:
-        _stop(state, "multi_device", "stages span several devices")
+        state.stop("multi_device", "stages span several devices")
         return
     reason = state.backend.unsupported_reason(the_plan.devices[0])
     if reason is not None:
-        _stop(state, reason, f"the stages' device {the_plan.devices[0]} has no side streams")
+        state.stop(reason, f"the stages' device {the_plan.devices[0]} has no side streams")
         return
     try:
         start(model, state, the_plan)
     except Exception as error:
-        _stop(state, "setup_failed", f"setup failed ({type(error).__name__}: {error})")
-
-
-def _stop(state: _WrapState, reason: str, why: str) -> None:
-    """No hooks at all from now on: the model runs as if unwrapped (and stays unwrappable)."""
-    for handle in state.handles:
-        handle.remove()
-    state.handles.clear()
-    state.scheduler = None
-    state.log.add(
-        OOOEvent(
-            EventKind.DISABLED,
-            reason,
-            f"{why}; every forward from now on runs the plain model, with no hook at all "
-            "(model.replan() learns again on the next training forward)",
-        ),
-        level=logging.INFO,
-    )
+        state.stop("setup_failed", f"setup failed ({type(error).__name__}: {error})")
 
 
 def _summary(the_plan: Plan) -> str:

@@ -12,9 +12,10 @@ from ._backend import Backend
 from ._errors import OOOConfigError
 from ._plan import as_stage_names, check_streams
 
-__all__ = ["PLANNERS", "Planner", "WrapOptions", "check_planner"]
+__all__ = ["PLANNERS", "Planner", "Tune", "WrapOptions", "check_planner"]
 
 Planner = Literal["dataflow", "static"]
+Tune = bool | Literal["auto"]
 PLANNERS: tuple[Planner, ...] = ("dataflow", "static")
 
 
@@ -37,6 +38,10 @@ class WrapOptions:
             assigns streams round-robin, without observing anything.
         overlap_forward: leave each stage's join pending until its output is touched,
             so independent stages overlap in forward too.
+        tune: time plain against planned training steps on the device and keep the plan
+            only if it is measurably faster: ``"auto"`` where the backend can time,
+            ``True`` (the backend must be able to) or ``False``.
+        tune_steps: counted steps per arm before tuning first decides, at least 2.
     """
 
     streams: int = 4
@@ -45,6 +50,8 @@ class WrapOptions:
     profile_ranges: bool = False
     planner: Planner = "dataflow"
     overlap_forward: bool = False
+    tune: Tune = "auto"
+    tune_steps: int = 6
 
     def __post_init__(self) -> None:
         check_streams(self.streams)
@@ -64,6 +71,17 @@ class WrapOptions:
                 "pass overlap_forward=True to let independent stages overlap in forward"
             )
         check_planner(self.planner, "planner")
+        if not (isinstance(self.tune, bool) or self.tune == "auto"):
+            raise OOOConfigError(
+                f"tune must be True, False or 'auto', got {self.tune!r}; 'auto' (the default) "
+                "measures the plan against the plain model wherever the device can time steps"
+            )
+        steps = self.tune_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+            raise OOOConfigError(
+                f"tune_steps must be an int of at least 2, got {steps!r}: the counted steps "
+                "per arm (plain and planned) before tuning decides; the default is 6"
+            )
 
 
 def check_planner(planner: object, where: str) -> Planner:

@@ -15,19 +15,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from ._backend import AcceleratorBackend, Backend
+from ._backend import AcceleratorBackend, Backend, clock_of
 from ._classswap import build_original, wrapped_class
 from ._compat import forward_hook_dicts, is_compiled_module
 from ._errors import OOOConfigError, OOOError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
 from ._learn import Learner, finish, named_stages, pending_plan
-from ._options import Planner, WrapOptions
+from ._options import Planner, Tune, WrapOptions
 from ._plan import Plan, plan, plural
 from ._profiling import ProfiledScheduler
 from ._recompute import install as install_recompute_ordering
 from ._scheduler import Scheduler, running
 from ._serialize import deepcopy_wrapped, reduce_wrapped
 from ._stats import Counters, OOOStats
+from ._tune import Tuner, Tuning
 
 __all__ = ["OOOModule", "events_for", "unwrap"]
 
@@ -47,11 +48,38 @@ class _WrapState:
     counters: Counters
     backend: Backend
     learner: Learner | None = None  # the hooks that learn the plan, until it is learned
+    tuner: Tuner | None = None  # the hooks that time plain against planned, until decided
+    tuning: Tuning | None = None  # the last decided tuning; None if never tuned
 
     def events(self) -> tuple[OOOEvent, ...]:
         if self.scheduler is not None:
             self.scheduler.sync_compiled_events()
         return self.log.snapshot()
+
+    def remove_hooks(self) -> None:
+        """Remove every hook of the wrapper (the model keeps its swapped class)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.scheduler = self.learner = self.tuner = None
+
+    def stop(self, reason: str, why: str) -> None:
+        """No hooks at all from now on: the model runs as if unwrapped (and stays unwrappable)."""
+        self.remove_hooks()
+        again = (
+            "model.replan() learns again on the next training forward"
+            if self.options.planner == "dataflow"
+            else "model.retune() measures again"
+        )
+        self.log.add(
+            OOOEvent(
+                EventKind.DISABLED,
+                reason,
+                f"{why}; every forward from now on runs the plain model, with no hook at all "
+                f"({again})",
+            ),
+            level=logging.INFO,
+        )
 
 
 # Keyed weakly by the model: nothing here keeps a model alive, and nothing is stored on it.
@@ -109,6 +137,15 @@ class OOOModule(nn.Module):
             operation or host read in the caller's code, the end of the forward), so
             independent stages overlap in forward, and under ``torch.no_grad`` too;
             off by default.
+        tune: once a plan is in force, alternate plain and planned training steps,
+            time each on the device (timing events on the caller's stream, no per-step
+            host sync) and keep the plan only if its median step is faster than plain by
+            more than the noise; else remove every hook (a ``DISABLED`` event with reason
+            ``measured_slower``). ``"auto"`` (the default) tunes where the backend can
+            time steps (a real accelerator), ``True`` requires it, ``False`` never tunes.
+            ``model.tuning`` shows the measurement.
+        tune_steps: counted steps per arm before tuning decides (more pairs run, up to
+            three times as many, while the difference is within the noise).
 
     Returns:
         ``model`` itself, wrapped or untouched.
@@ -117,8 +154,10 @@ class OOOModule(nn.Module):
         OOOConfigError: ``model`` is not a module, is already wrapped or is a
             ``DistributedDataParallel`` (wrap first, then DDP), ``streams`` is not a
             positive int, ``profile_ranges`` or ``overlap_forward`` is not a bool,
-            ``backend`` is not a backend, or the stage names are empty, unknown,
-            repeated, the root, a container or nested (see :func:`ooo_wrap.plan`).
+            ``tune`` is not a bool or ``"auto"``, ``tune=True`` on a backend that cannot
+            time steps, ``tune_steps`` is below 2, ``backend`` is not a backend, or the
+            stage names are empty, unknown, repeated, the root, a container or nested
+            (see :func:`ooo_wrap.plan`).
 
     Example::
 
@@ -137,10 +176,14 @@ class OOOModule(nn.Module):
         profile_ranges: bool = False,
         planner: Planner = "dataflow",
         overlap_forward: bool = False,
+        tune: Tune = "auto",
+        tune_steps: int = 6,
     ) -> Any:
         if cls is not OOOModule:  # OOO<Cls> has its own __new__ (_classswap.py)
             return super().__new__(cls)
-        options = WrapOptions(streams, stages, backend, profile_ranges, planner, overlap_forward)
+        options = WrapOptions(
+            streams, stages, backend, profile_ranges, planner, overlap_forward, tune, tune_steps
+        )
         return _wrap(model, options)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -178,6 +221,25 @@ class OOOModule(nn.Module):
         inside a forward of the model (it changes nothing then).
         """
         replan(self)
+
+    @property
+    def tuning(self) -> Tuning | None:
+        """What measured tuning found: ``None`` if this model never tunes, else a
+        :class:`~ooo_wrap.Tuning` whose ``decision`` is ``"pending"`` while measuring."""
+        state = _state(self)
+        return state.tuner.record() if state.tuner is not None else state.tuning
+
+    def retune(self) -> None:
+        """Measure the current plan against the plain model again, from the next forward.
+
+        After a ``measured_slower`` decision it puts the plan's hooks back first. A no-op
+        while the plan is still to be learned or tuning is underway.
+
+        Raises:
+            OOOConfigError: the model does not tune (``tune=False``, or a backend that
+                cannot time), or it has no plan with stages to measure.
+        """
+        retune(self)
 
     @property
     def stats(self) -> OOOStats:
@@ -228,8 +290,8 @@ def unwrap(model: nn.Module) -> nn.Module:
         )
     _refuse_inside_forward(model, state, "unwrap()")
     del _wrapped[model]
-    for handle in state.handles:
-        handle.remove()
+    state.events()  # moves counts taken in compiled code into the log while it can
+    state.remove_hooks()
     model.__class__ = state.original_class
     state.log.add(
         OOOEvent(EventKind.UNWRAPPED, "unwrap", "hooks removed and class restored"),
@@ -376,6 +438,12 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
     reasons = [backend.unsupported_reason(device) for device in _devices(model)]
     if reasons and all(reason is not None for reason in reasons):
         return _device_fallback(model, str(reasons[0]), options)
+    if options.tune is True and clock_of(backend, _devices(model)[0]) is None:
+        raise OOOConfigError(
+            f"tune=True measures steps on the device, but the {backend.name} backend cannot "
+            "time them; pass tune='auto' (tunes where it can) or tune=False, or give "
+            "SimulatedBackend a step_time= clock"
+        )
     if options.planner == "dataflow":
         return _wrap_learning(model, options, backend)
     the_plan = plan(model, options.streams, stages=options.stages)
@@ -415,10 +483,7 @@ def replan(model: nn.Module) -> None:
     _refuse_inside_forward(model, state, "replan()")
     if state.learner is not None:
         return  # not learned yet: the next training forward learns it anyway
-    for handle in state.handles:
-        handle.remove()
-    state.handles.clear()
-    state.scheduler = None
+    state.remove_hooks()
     device = state.plan.devices[0] if state.plan.stages else _devices(model)[0]
     _start_learner(state, device)
     assert state.learner is not None
@@ -522,6 +587,48 @@ def start_scheduler(model: nn.Module, state: _WrapState, the_plan: Plan) -> None
         raise
     state.handles += added
     state.plan, state.scheduler = the_plan, scheduler
+    _start_tuning(model, state)
+
+
+def _start_tuning(model: nn.Module, state: _WrapState) -> None:
+    """Time plain against planned steps from the next forward on, if the options ask and
+    the backend can time (``_tune.py``)."""
+    scheduler, the_plan = state.scheduler, state.plan
+    assert scheduler is not None
+    clock = clock_of(state.backend, the_plan.devices[0])
+    if state.options.tune is False or clock is None:
+        return
+    tuner = Tuner(state, scheduler, the_plan.devices[0], clock, state.options.tune_steps)
+    tuner.install(model)
+    state.tuner, state.tuning = tuner, None
+
+
+def retune(model: nn.Module) -> None:
+    """See :meth:`OOOModule.retune`."""
+    state = _state(model)
+    _refuse_inside_forward(model, state, "retune()")
+    if state.options.tune is False or clock_of(state.backend, _devices(model)[0]) is None:
+        raise OOOConfigError(
+            "retune() measures the plan on the device, but this model does not tune "
+            "(tune=False, or its backend cannot time steps); wrap it with tune=True on an "
+            "accelerator"
+        )
+    if state.learner is not None or state.tuner is not None:
+        return  # the plan is still to be learned, or tuning is underway: it will decide
+    if not state.plan.stages:
+        raise OOOConfigError(
+            "retune() has no plan to measure: this model runs plain because "
+            f"{_why_plain(state)}; model.replan() learns a plan again"
+        )
+    if state.scheduler is None:  # plain was measured faster: put the plan's hooks back
+        start_scheduler(model, state, state.plan)
+        return
+    _start_tuning(model, state)
+
+
+def _why_plain(state: _WrapState) -> str:
+    disabled = [e for e in state.log.snapshot() if e.kind is EventKind.DISABLED]
+    return disabled[-1].reason if disabled else "it has no stages"
 
 
 def _install(

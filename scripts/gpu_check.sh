@@ -229,8 +229,8 @@ fi
 # --- c. benchmark suite ---------------------------------------------------------------------
 name="(c) benchmark suite"
 if starts "$name" 30; then
-  # Every mode at every point, in one process: eager, overlap_forward, CUDA graphs.
-  modes=(--overlap-forward --graphs)
+  # Every mode at every point, in one process: eager, overlap_forward, tuned, CUDA graphs.
+  modes=(--overlap-forward --tuned --graphs)
   if ((QUICK)); then
     sweep=(--models towers,transformer,fanout --dtypes float32 --towers-batches 16
       --towers-widths 2048 --transformer-batches 32 --fanout-batches 256 --warmup 3

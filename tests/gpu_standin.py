@@ -151,6 +151,7 @@ def _suite(args: list[str]) -> int:
         "plain": 2.0,
         "wrapped": 1.6,
         "wrapped_overlap": 1.5,
+        "wrapped_tuned": 1.6,
         "plain_graphed": 1.0,
         "wrapped_graphed": 0.8,
     }
@@ -192,6 +193,17 @@ def _suite(args: list[str]) -> int:
                 )
             elif mode.startswith("wrapped"):
                 side["stats_per_step"] = {"waits": 8, "record_streams": 16}
+            if mode == "wrapped_tuned":
+                side["tuning"] = {
+                    "decision": "plan",
+                    "device": "stand-in",
+                    "plan_median_ms": 1.6,
+                    "plain_median_ms": 2.0,
+                    "speedup": 1.25,
+                    "plan_ms": [1.6] * 6,
+                    "plain_ms": [2.0] * 6,
+                }
+                side["tuning_steps"] = 15
         record["speedup"] = record["speedups"]["wrapped"]
         graphed = [record.get(m, {}).get("median_ms") for m in ("plain_graphed", "wrapped_graphed")]
         record["graphed_speedup"] = graphed[0] / graphed[1] if None not in graphed else None

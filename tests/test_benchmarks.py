@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from benchmarks.measure import MODES, Point, measure_point, summarize_times
 from benchmarks.models import ModelSpec
 from ooo_wrap.testing import SimulatedBackend
 from ooo_wrap.testing._detect import DetectingBackend
-from ooo_wrap.testing._simulated import DEFAULT_STREAM
+from ooo_wrap.testing._simulated import DEFAULT_STREAM, StreamCall
 from scripts import sanitizer_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -620,6 +621,36 @@ def test_measure_point_with_overlap_forward_defers_the_joins() -> None:
     assert set(record["speedups"]) == {"wrapped", "wrapped_overlap"}
 
 
+def test_measure_point_records_the_wrappers_tuning_beside_its_own_times() -> None:
+    """--tuned adds wrapped_tuned: the wrapper's decision and medians sit beside the mode's
+    interleaved times, so the two measurements can be compared."""
+    args = suite.parse_args(["--tuned"])
+    assert args.modes == ["plain", "wrapped", "wrapped_tuned"]
+
+    def faster_with_side_streams(calls: Sequence[StreamCall]) -> float:
+        return 8.0 if any(c.op == "set_stream" and c.stream.id for c in calls) else 10.0
+
+    record = measure_point(
+        Point(SMALL["towers"], 2, "float32"),
+        CPU,
+        warmup=1,
+        steps=16,
+        mem_steps=1,
+        backend=SimulatedBackend(step_time=faster_with_side_streams),
+        planner="static",
+        modes=args.modes,
+    )
+    tuning = record["wrapped_tuned"]["tuning"]
+    assert tuning["decision"] == "plan" and tuning["device"] == "simulated"
+    assert tuning["plan_median_ms"] == 8.0 and tuning["plain_median_ms"] == 10.0
+    assert tuning["speedup"] == pytest.approx(1.25)
+    assert "tuning" not in record["wrapped"]  # the plan itself, never tuned
+    # Tuned alone first (2 warm-ups, 6 counted steps per arm, and the forward whose mark
+    # ends the last of them), then timed interleaved.
+    assert record["wrapped_tuned"]["tuning_steps"] == 15
+    assert record["wrapped_tuned"]["median_ms"] > 0
+
+
 class _Replay:
     """What ``graphed_step`` returns when it captured: replays give back the captured
     step's (static) loss."""
@@ -783,7 +814,8 @@ def test_a_mode_that_cannot_capture_is_failed_with_its_message_not_timed() -> No
     assert record["failed_modes"] == {"plain_graphed": error, "wrapped_graphed": error}
     assert "plain_graphed" not in record and "wrapped_graphed" not in record
     assert record["wrapped"]["active"] and record["wrapped_overlap"]["active"]
-    assert set(record["speedups"]) == {"wrapped", "wrapped_overlap"}
+    assert set(record["speedups"]) == {"wrapped", "wrapped_overlap", "wrapped_tuned"}
+    assert record["wrapped_tuned"]["tuning"] is None  # this backend cannot time steps
     assert record["graphed_speedup"] is None
     table = report.modes_table([record])
     assert table.count(f"**FAILED: {error}**") == 2
@@ -827,7 +859,7 @@ def test_plain_or_wrapped_failing_still_fails_the_point(monkeypatch: pytest.Monk
 
 def test_mode_selection_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert suite.parse_args([]).modes == ["plain", "wrapped"]
-    both = suite.parse_args(["--graphs", "--overlap-forward"])
+    both = suite.parse_args(["--graphs", "--overlap-forward", "--tuned"])
     assert both.modes == list(MODES)
     settings = suite._settings(both)
     assert settings["modes"] == list(MODES) and settings["overlap_forward"]
@@ -877,7 +909,7 @@ def test_the_suite_files_each_modes_outcome_under_the_point(
     monkeypatch.setattr(suite.overhead, "measure", lambda repeats, calls: dict(HOST))
     flags = "--models towers --dtypes float32 --towers-widths 2048 --towers-batches 16,32,64"
     args = suite.parse_args(
-        [*flags.split(), "--planner", "static", "--graphs", "--overlap-forward"]
+        [*flags.split(), "--planner", "static", "--graphs", "--overlap-forward", "--tuned"]
     )
     data = suite.run_gpu(args, [], device=CPU)
     name = "towers K=8 W=2048 D=4 batch={} float32"

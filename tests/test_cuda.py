@@ -97,7 +97,7 @@ def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _wrap_copy(plain: nn.Module) -> ooo_wrap.OOOModule:
-    wrapped = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4, planner="static")
+    wrapped = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4, planner="static", tune=False)
     assert isinstance(wrapped, ooo_wrap.OOOModule), ooo_wrap.events_for(wrapped)
     return wrapped
 
@@ -199,7 +199,7 @@ def test_stages_run_forward_and_backward_on_side_streams() -> None:
 def test_the_learned_plan_runs_on_side_streams_from_the_second_step() -> None:
     torch.manual_seed(0)
     plain = quickstart.build_model().to(DEVICE)
-    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4)  # the dataflow planner
+    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4, tune=False)  # dataflow
     assert isinstance(model, ooo_wrap.OOOModule) and model.plan.pending
     x = quickstart.example_input(16).to(DEVICE)
     for step in range(3):
@@ -421,7 +421,7 @@ def test_capturing_a_wrapped_forward_in_a_graph_forks_onto_side_streams() -> Non
     # root join brings every side stream back before the capture ends.
     plain = quickstart.build_model().to(DEVICE)
     model = ooo_wrap.OOOModule(
-        copy.deepcopy(plain), streams=4, planner="static", overlap_forward=True
+        copy.deepcopy(plain), streams=4, planner="static", overlap_forward=True, tune=False
     )
     assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
     static_x = quickstart.example_input(8).to(DEVICE)
@@ -500,7 +500,7 @@ def test_a_dropped_stage_output_is_not_reused_while_the_caller_still_reads_it(
     if output_record_stream == "removed":
         backend = _WithoutOutputRecordStream(ambient)
     model = ooo_wrap.OOOModule(
-        _TwoStages().to(DEVICE), streams=2, backend=backend, planner="static"
+        _TwoStages().to(DEVICE), streams=2, backend=backend, planner="static", tune=False
     )
     assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
     stage = model.get_submodule("stages.0")
@@ -582,7 +582,7 @@ def _assert_parameters_close(plain: nn.Module, model: nn.Module, steps: int) -> 
 
 def test_graphed_step_of_a_wrapped_model_matches_eager_steps_of_the_plain_one() -> None:
     plain = quickstart.build_model().to(DEVICE)
-    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4)  # the dataflow planner
+    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4, tune=False)  # dataflow
     assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
     sample, *batches = _graph_batches(1 + GRAPH_REPLAYS)
     with warnings.catch_warnings(record=True) as caught:
@@ -617,7 +617,7 @@ def test_graphed_step_of_a_wrapped_model_matches_eager_steps_of_the_plain_one() 
 
 def test_make_graphed_callables_takes_a_wrapped_model_and_runs_its_stages_on_side_streams() -> None:
     plain = quickstart.build_model().to(DEVICE)
-    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4)  # the dataflow planner
+    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4, tune=False)  # dataflow
     assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
     (x, _), *batches = _graph_batches(1 + GRAPH_REPLAYS)
     with pytest.raises(AssertionError, match="Modules must not have hooks registered"):
@@ -650,3 +650,43 @@ def test_make_graphed_callables_takes_a_wrapped_model_and_runs_its_stages_on_sid
         assert torch.isfinite(loss), f"step {step}"
         assert _rel_err(loss, want) <= GRAPH_REL_TOL, f"loss of step {step}"
     _assert_parameters_close(plain, model, GRAPH_REPLAYS)
+
+
+def test_tuning_decides_on_the_towers_model_with_at_most_one_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Tuning times the real steps with timing events; the host waits at most once (at the
+    # cap, if the evidence stays unclear). Whatever it decides, training is plain training.
+    syncs: list[object] = []
+    synchronize = ooo_wrap._backend.AcceleratorClock.synchronize
+
+    def counted(self: object, mark: object) -> None:
+        syncs.append(mark)
+        synchronize(self, mark)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ooo_wrap._backend.AcceleratorClock, "synchronize", counted)
+    plain = quickstart.build_model().to(DEVICE)
+    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4, planner="static", tune=True)
+    assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
+    x = quickstart.example_input(32).to(DEVICE)
+    sides = [(m, torch.optim.SGD(m.parameters(), lr=0.01)) for m in (plain, model)]
+    for _ in range(80):
+        for net, optimizer in sides:
+            optimizer.zero_grad(set_to_none=True)
+            net(x).pow(2).mean().backward()
+            optimizer.step()
+        assert model.tuning is not None
+        if model.tuning.decision != "pending":
+            break
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision in ("plan", "plain"), tuning
+    assert len(syncs) <= 1
+    assert tuning.device == torch.cuda.get_device_name(DEVICE)
+    kinds = {(e.kind, e.reason) for e in model.events}
+    assert (ooo_wrap.EventKind.TUNED, "kept") in kinds or (
+        ooo_wrap.EventKind.DISABLED,
+        "measured_slower",
+    ) in kinds
+    torch.cuda.synchronize()
+    for (name, p), (_, w) in zip(plain.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(p, w), name

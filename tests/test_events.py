@@ -17,6 +17,7 @@ def test_event_kinds_values_and_str() -> None:
         "ENABLED": "enabled",
         "PLANNED": "planned",
         "DISABLED": "disabled",
+        "TUNED": "tuned",
         "SETUP_FAILED": "setup_failed",
         "BYPASSED": "bypassed",
         "STAGE_FAILED": "stage_failed",

@@ -133,7 +133,14 @@ def test_quick_dry_run_passes_with_three_points_and_no_optional_step(tmp_path: P
     assert summary.rstrip().endswith("RESULT: every required check passed")
 
 
-MODES = ["plain", "wrapped", "wrapped_overlap", "plain_graphed", "wrapped_graphed"]
+MODES = [
+    "plain",
+    "wrapped",
+    "wrapped_overlap",
+    "wrapped_tuned",
+    "plain_graphed",
+    "wrapped_graphed",
+]
 
 
 def _assert_every_mode_measured(

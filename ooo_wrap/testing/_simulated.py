@@ -6,13 +6,20 @@ import collections
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SimulatedBackend", "StreamCall", "VirtualEvent", "VirtualStream"]
+__all__ = [
+    "SimulatedBackend",
+    "SimulatedClock",
+    "StreamCall",
+    "TimingMark",
+    "VirtualEvent",
+    "VirtualStream",
+]
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,8 @@ class StreamCall:
     Attributes:
         op: the backend method: ``current_stream``, ``new_stream``, ``set_stream``,
             ``record_event``, ``wait_event`` or ``record_stream`` (``is_capturing`` is a
-            query of the simulation's own flag and is not logged).
+            query of the simulation's own flag and is not logged); with a ``step_time``
+            clock also ``record_timing_event`` and ``synchronize``.
         stream: the stream it acted on or returned.
         event: the event recorded or waited on, if any.
         tensor: ``dtype[shape]`` of the tensor passed to ``record_stream``, if any.
@@ -63,6 +71,52 @@ class StreamCall:
 
 DEFAULT_STREAM = VirtualStream(0)
 
+StepTime = Callable[[Sequence[StreamCall]], float]
+
+
+@dataclass(frozen=True)
+class TimingMark:
+    """A simulated timing event: ``ms`` is its time on the simulated clock."""
+
+    id: int
+    stream: VirtualStream
+    ms: float
+
+
+class SimulatedClock:
+    """A step clock on the CPU: the time between two marks is ``step_time(calls)``, given
+    the backend calls logged between them."""
+
+    device_name = "simulated"
+
+    def __init__(self, backend: SimulatedBackend, step_time: StepTime) -> None:
+        self._backend = backend
+        self._step_time = step_time
+        self._ids = itertools.count(1)
+        self._since: list[StreamCall] | None = None  # calls since the last mark
+        self._now = 0.0
+
+    def note(self, call: StreamCall) -> None:
+        if self._since is not None:
+            self._since.append(call)
+
+    def mark(self, stream: VirtualStream) -> TimingMark:
+        if self._since is not None:
+            self._now += float(self._step_time(tuple(self._since)))
+        self._since = []
+        mark = TimingMark(next(self._ids), stream, self._now)
+        self._backend._call("record_timing_event", stream)
+        return mark
+
+    def done(self, mark: TimingMark) -> bool:
+        return True  # the simulation has no device running behind the host
+
+    def synchronize(self, mark: TimingMark) -> None:
+        self._backend._call("synchronize", mark.stream)
+
+    def elapsed_ms(self, start: TimingMark, end: TimingMark) -> float:
+        return end.ms - start.ms
+
 
 class SimulatedBackend:
     """A :class:`~ooo_wrap._backend.Backend` of virtual streams for CPU models.
@@ -72,6 +126,12 @@ class SimulatedBackend:
     are kept unless ``keep_all=True``. Ops still run eagerly on the CPU: the simulation
     orders nothing, it records what the scheduler asked for so tests (and the race
     checker) can verify it.
+
+    ``step_time`` gives it a clock, so that ``OOOModule(..., tune=...)`` can time steps:
+    ``step_time(calls)`` returns the milliseconds between two consecutive timing marks,
+    given the calls logged between them (a test can make steps that use side streams
+    faster or slower). Without it the backend cannot time, and ``tune="auto"`` does not
+    tune.
 
     Example::
 
@@ -83,10 +143,14 @@ class SimulatedBackend:
 
     name = "simulated"
 
-    def __init__(self, *, keep_all: bool = False, log_size: int = 10_000) -> None:
+    def __init__(
+        self, *, keep_all: bool = False, log_size: int = 10_000, step_time: StepTime | None = None
+    ) -> None:
         self._log: collections.deque[StreamCall] = collections.deque(
             maxlen=None if keep_all else log_size
         )
+        self._step_time = step_time
+        self._clock = None if step_time is None else SimulatedClock(self, step_time)
         self._ids = itertools.count(1)
         self._event_ids = itertools.count(1)
         self._local = threading.local()
@@ -95,7 +159,7 @@ class SimulatedBackend:
     def __reduce__(self) -> tuple[Any, ...]:
         # Virtual streams are not data: a pickled backend loads as a fresh one (empty log,
         # same log settings), so a pickled wrapped model loads and runs on the CPU.
-        return (_fresh_backend, (self._log.maxlen,))
+        return (_fresh_backend, (self._log.maxlen, self._step_time))
 
     @property
     def log(self) -> tuple[StreamCall, ...]:
@@ -113,7 +177,10 @@ class SimulatedBackend:
         event: VirtualEvent | None = None,
         tensor: str | None = None,
     ) -> None:
-        self._log.append(StreamCall(op, stream, event, tensor, threading.current_thread().name))
+        call = StreamCall(op, stream, event, tensor, threading.current_thread().name)
+        self._log.append(call)
+        if self._clock is not None:
+            self._clock.note(call)
 
     # --- Backend protocol -------------------------------------------------------------
 
@@ -154,6 +221,10 @@ class SimulatedBackend:
     def is_capturing(self, stream: VirtualStream) -> bool:
         return stream in self._capturing
 
+    def step_clock(self, device: torch.device) -> SimulatedClock | None:
+        """The clock ``step_time`` gives, or ``None`` (this backend cannot time steps)."""
+        return self._clock
+
     # --- unlogged access, for the race checker's model of the autograd engine ---------
 
     def _peek_stream(self) -> VirtualStream:
@@ -180,8 +251,8 @@ class SimulatedBackend:
             self._capturing.discard(stream)
 
 
-def _fresh_backend(log_size: int | None) -> SimulatedBackend:
+def _fresh_backend(log_size: int | None, step_time: StepTime | None = None) -> SimulatedBackend:
     """A new :class:`SimulatedBackend` with the given log bound (``None``: keep all)."""
     if log_size is None:
-        return SimulatedBackend(keep_all=True)
-    return SimulatedBackend(log_size=log_size)
+        return SimulatedBackend(keep_all=True, step_time=step_time)
+    return SimulatedBackend(log_size=log_size, step_time=step_time)

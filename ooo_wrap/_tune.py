@@ -1,0 +1,337 @@
+"""Measured tuning: time plain and planned training steps on the device; keep the faster.
+
+Once a plan is in force, a :class:`Tuner` adds two hooks to the model's root:
+
+1. Each training forward records a timing mark on the caller's stream in the root
+   pre-hook. The time from one mark to the next is the step that ran between them
+   (forward, backward, optimizer, whatever the loop does), credited to that forward's arm.
+2. The arms alternate, plain then planned: a plain forward runs every stage inline on the
+   caller's stream (a ``BYPASSED``/``tuning`` stage call, exactly as under
+   ``ooo_wrap.disabled()``), so the math is the same in both arms. The first step of each
+   arm is a warm-up and is not counted.
+3. Not counted: a step opened by a forward that raised, ran under ``disabled()`` or
+   tracing, or had other input shapes than the first tuned step. A forward with gradients
+   off (evaluation) is left out of the step it falls in: marks before and after it cut its
+   time out. Under a graph capture nothing is recorded (a capture cannot hold a timing
+   event) and the open step is not counted. Compiled forwards are not seen.
+4. After ``tune_steps`` counted steps per arm the step times are read, without a host
+   sync, from the marks the device has passed. The plan is kept only if its median step
+   beats the plain median by more than the noise (2 % and the larger arm's interquartile
+   range over its median); plain wins when the plan is slower by as much. In between,
+   more pairs run, up to three times ``tune_steps``; there the host waits once for the
+   last mark (the one sync of a tuning) and plain wins unless the plan is clearly faster.
+5. The decision is applied in the root post-hook, after the scheduler's: the tuner's hooks
+   are removed (nothing is left on the hot path), and with plain the scheduler's too, as
+   with ``no_parallelism``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._backend import Mark, StepClock
+from ._events import EventKind, OOOEvent
+from ._inflight import thread_state
+from ._tensors import tensors_in
+
+if TYPE_CHECKING:
+    from ._scheduler import Scheduler
+    from ._wrap import _WrapState
+
+__all__ = ["MIN_GAIN", "Decision", "Tuner", "Tuning", "decide"]
+
+Decision = Literal["pending", "plan", "plain"]
+Arm = Literal["plan", "plain"]
+
+# The smallest gain worth side streams: below it, run-to-run noise on a busy host and the
+# risk of a worse step on another batch outweigh it.
+MIN_GAIN = 0.02
+# How many times tune_steps pairs may run while the evidence is unclear.
+MAX_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What measured tuning found for one wrapped model (``model.tuning``).
+
+    Attributes:
+        decision: ``"pending"`` while measuring, ``"plan"`` if the plan was kept,
+            ``"plain"`` if the plain model was faster or not clearly slower.
+        plan_ms: the counted step times with the plan, in milliseconds, in order.
+        plain_ms: the counted step times of the plain model.
+        device: the name of the device the steps were timed on.
+    """
+
+    decision: Decision
+    plan_ms: tuple[float, ...]
+    plain_ms: tuple[float, ...]
+    device: str
+
+    @property
+    def plan_median_ms(self) -> float | None:
+        """The median planned step, or ``None`` before one was counted."""
+        return statistics.median(self.plan_ms) if self.plan_ms else None
+
+    @property
+    def plain_median_ms(self) -> float | None:
+        """The median plain step, or ``None`` before one was counted."""
+        return statistics.median(self.plain_ms) if self.plain_ms else None
+
+    @property
+    def speedup(self) -> float | None:
+        """Plain median over planned median (above 1: the plan is faster)."""
+        plan, plain = self.plan_median_ms, self.plain_median_ms
+        return plain / plan if plan and plain is not None else None
+
+    def __str__(self) -> str:
+        counts = f"{len(self.plan_ms)} planned and {len(self.plain_ms)} plain steps"
+        if self.decision == "pending":
+            return f"tuning on {self.device}: pending ({counts} measured so far)"
+        verdict = "plan kept" if self.decision == "plan" else "plain model kept"
+        if self.speedup is None:
+            return f"tuning on {self.device}: {verdict} ({counts} measured: too few)"
+        return (
+            f"tuning on {self.device}: {verdict}, {self.speedup:.2f}x: median step "
+            f"{self.plan_median_ms:.3f} ms planned vs {self.plain_median_ms:.3f} ms plain "
+            f"({counts}, measured)"
+        )
+
+
+def decide(
+    plan_ms: tuple[float, ...], plain_ms: tuple[float, ...], steps: int, *, final: bool
+) -> Decision:
+    """The decision for these step times; ``final`` when no more pairs may run."""
+    if not final and min(len(plan_ms), len(plain_ms)) < steps:
+        return "pending"
+    if len(plan_ms) < 2 or len(plain_ms) < 2:
+        return "plain"  # too few clean steps to tell anything: stay plain
+    plan, plain = statistics.median(plan_ms), statistics.median(plain_ms)
+    margin = max(MIN_GAIN, _spread(plan_ms), _spread(plain_ms))
+    if plan < plain * (1 - margin):
+        return "plan"
+    if final or plan > plain * (1 + margin):
+        return "plain"
+    return "pending"
+
+
+def _spread(times: tuple[float, ...]) -> float:
+    """Interquartile range over the median."""
+    quartiles = statistics.quantiles(times, n=4)
+    return (quartiles[2] - quartiles[0]) / quartiles[1] if quartiles[1] > 0 else float("inf")
+
+
+@dataclass
+class _Step:
+    """One step being timed: its marks, and whether it counts (``arm`` is ``None`` if not)."""
+
+    arm: Arm | None
+    marks: list[Mark]  # start, then pairs cutting out evaluation forwards, then the end
+    ms: float | None = None  # the time once read
+
+
+@dataclass
+class _Frame:
+    """One root call the tuner acts for: a timed step, or an evaluation forward cut out."""
+
+    module: nn.Module
+    step: _Step | None  # None: an evaluation forward, its time cut out of the open step
+    skipped: bool = field(default=False)  # nothing recorded (a graph capture)
+
+
+class Tuner:
+    """The two root hooks that time plain and planned steps and apply the decision."""
+
+    def __init__(
+        self,
+        state: _WrapState,
+        scheduler: Scheduler,
+        device: torch.device,
+        clock: StepClock,
+        steps: int,
+    ) -> None:
+        self._state = state
+        self._scheduler = scheduler
+        self._device = device
+        self._clock = clock
+        self._steps = steps
+        self._handles: list[RemovableHandle] = []
+        self._closed: list[_Step] = []  # finished counted steps
+        self._opened = 0  # training forwards seen, counted or not
+        self._open: _Step | None = None
+        self._frames: list[_Frame] = []
+        self._next_arm: Arm = "plain"
+        self._warmed: set[Arm] = set()
+        self._shapes: list[tuple[torch.Size, torch.dtype]] | None = None
+        self._synced = False
+        self._capture_reported = False
+
+    def install(self, model: nn.Module) -> None:
+        """Register the hooks after the scheduler's, so the root call is there to read."""
+        for handle in (
+            model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+            model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True),
+        ):
+            self._handles.append(handle)
+            self._state.handles.append(handle)
+
+    def remove(self) -> None:
+        """Remove the tuner's hooks (and their handles from the wrap state)."""
+        mine = {id(handle) for handle in self._handles}
+        for handle in self._handles:
+            handle.remove()
+        self._state.handles[:] = [h for h in self._state.handles if id(h) not in mine]
+        self._handles.clear()
+
+    def record(self, decision: Decision = "pending") -> Tuning:
+        """The tuning so far (step times read only from marks the device has passed)."""
+        plan = tuple(s.ms for s in self._closed if s.arm == "plan" and s.ms is not None)
+        plain = tuple(s.ms for s in self._closed if s.arm == "plain" and s.ms is not None)
+        return Tuning(decision, plan, plain, self._clock.device_name)
+
+    # --- hooks ----------------------------------------------------------------------
+
+    def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        calls = thread_state.calls
+        if not calls or calls[-1].module is not module or calls[-1].owner is not self._scheduler:
+            return  # the scheduler's pre-hook did not open this call
+        call = calls[-1]
+        backend = self._state.backend
+        stream = backend.current_stream(self._device)
+        if backend.is_capturing(stream):
+            # 3. No timing event in a capture: the open step cannot be timed.
+            if self._open is not None:
+                self._open.arm = None
+            self._frames.append(_Frame(module, None, skipped=True))
+            self._report_capture()
+            return
+        mark = self._clock.mark(stream)
+        if not torch.is_grad_enabled():
+            # 3. An evaluation forward: its marks cut it out of the open step.
+            if self._open is not None:
+                self._open.marks.append(mark)
+            self._frames.append(_Frame(module, None))
+            return
+        # 1. This mark ends the open step and starts this forward's.
+        if self._open is not None:
+            self._open.marks.append(mark)
+            if self._open.arm is not None:
+                self._closed.append(self._open)
+        self._opened += 1
+        arm = self._arm_for(call.bypass is None and self._same_shapes(args, kwargs))
+        if arm == "plain":
+            call.bypass = "tuning"  # 2. every stage call of this forward runs inline
+        self._open = _Step(arm if arm in self._warmed else None, [mark])
+        if arm is not None:
+            self._warmed.add(arm)
+        self._frames.append(_Frame(module, self._open))
+
+    def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or not self._frames:
+            return
+        if self._frames[-1].module is not module:
+            return
+        frame = self._frames.pop()
+        if frame.skipped:
+            return
+        if frame.step is None:
+            if self._open is not None:  # else no step is open to cut it out of
+                stream = self._state.backend.current_stream(self._device)
+                self._open.marks.append(self._clock.mark(stream))
+            return
+        if sys.exc_info()[1] is not None:
+            frame.step.arm = None  # 3. a forward that raised opens no counted step
+        decision = self._decide()
+        if decision != "pending":
+            self._apply(module, decision)
+
+    # --- measuring and deciding -------------------------------------------------------
+
+    def _arm_for(self, eligible: bool) -> Arm | None:
+        """The next arm for an eligible forward (alternating), else ``None``."""
+        if not eligible:
+            return None
+        arm = self._next_arm
+        self._next_arm = "plan" if arm == "plain" else "plain"
+        return arm
+
+    def _same_shapes(self, args: Any, kwargs: Any) -> bool:
+        shapes = [(t.shape, t.dtype) for t in tensors_in(args) + tensors_in(kwargs)]
+        if self._shapes is None:
+            self._shapes = shapes
+        return shapes == self._shapes
+
+    def _decide(self) -> Decision:
+        counted = self._closed
+        per_arm = min(sum(step.arm == arm for step in counted) for arm in ("plan", "plain"))
+        # Also final after many forwards that mostly did not count (shapes that keep
+        # changing, forwards that raise): tuning ends, on what it could measure.
+        final = per_arm >= MAX_ROUNDS * self._steps or self._opened >= 4 * MAX_ROUNDS * self._steps
+        if final and counted and not self._synced:
+            # 4. The one host sync of a tuning: wait for the last mark of the last step.
+            self._synced = True
+            self._clock.synchronize(counted[-1].marks[-1])
+        for step in counted:
+            if step.ms is None and all(self._clock.done(mark) for mark in step.marks):
+                step.ms = self._elapsed(step.marks)
+        record = self.record()
+        return decide(record.plan_ms, record.plain_ms, self._steps, final=final)
+
+    def _elapsed(self, marks: list[Mark]) -> float:
+        """The step's time: start to end, less each evaluation forward cut out."""
+        pairs = zip(marks[0::2], marks[1::2], strict=True)
+        return sum(self._clock.elapsed_ms(start, end) for start, end in pairs)
+
+    def _apply(self, module: nn.Module, decision: Decision) -> None:
+        """5. Remove the tuner's hooks; with plain, the scheduler's too."""
+        state = self._state
+        record = self.record(decision)
+        state.tuning, state.tuner = record, None
+        self.remove()
+        if record.speedup is None:
+            figures = (
+                f"too few steps could be timed on {record.device} ({len(record.plan_ms)} "
+                f"planned, {len(record.plain_ms)} plain: input shapes kept changing, or "
+                "forwards raised)"
+            )
+        else:
+            figures = (
+                f"median step {record.plan_median_ms:.3f} ms with the plan vs "
+                f"{record.plain_median_ms:.3f} ms plain ({record.speedup:.2f}x, "
+                f"{len(record.plan_ms)} and {len(record.plain_ms)} steps measured on "
+                f"{record.device})"
+            )
+        if decision == "plan":
+            state.log.add(
+                OOOEvent(EventKind.TUNED, "kept", f"{figures}: the plan is kept"),
+                level=logging.INFO,
+            )
+            return
+        state.stop(
+            "measured_slower",
+            f"{figures}: the plan was not measurably faster than the plain model",
+        )
+
+    def _report_capture(self) -> None:
+        if self._capture_reported:
+            return
+        self._capture_reported = True
+        self._state.log.add(
+            OOOEvent(
+                EventKind.TUNED,
+                "not_finished",
+                "a graph capture began before tuning decided, so the graph holds the planned "
+                "arm; run eager training steps until model.tuning is decided before capturing "
+                "(or wrap with tune=False)",
+            ),
+            level=logging.INFO,
+        )
