@@ -437,3 +437,17 @@ def test_the_readme_example_prints_what_it_shows() -> None:
     runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
     assert runner.summarize(verbose=False).attempted >= 4
+
+
+def test_retune_inside_a_forward_is_refused_and_leaves_tuning_as_it_was() -> None:
+    model, backend = wrap(planned_ms(8.0, 10.0))
+    until_decided(model)
+    stage = model.get_submodule("towers.0")
+    handle = stage.register_forward_pre_hook(lambda module, args: model.retune())
+    with pytest.raises(ooo_wrap.OOOError, match=r"retune\(\) was called inside a forward"):
+        model(two_tower_input())
+    handle.remove()
+    assert backend.current_stream().id == 0
+    assert model.tuning is not None and model.tuning.decision == "plan"
+    model.retune()  # between forwards: done
+    assert model.tuning is not None and model.tuning.decision == "pending"
