@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import ooo_wrap
+from ooo_wrap._options import Planner
 from ooo_wrap.testing import (
     CheckFailed,
     CheckReport,
@@ -123,6 +124,36 @@ def test_parity_entries_flag_differences() -> None:
     assert check_module._max_abs_diff(a, torch.tensor([1.0, 2.0, 3.0])) == math.inf
     assert check_module._max_abs_diff(a, None) == math.inf
     assert check_module._max_abs_diff(a, a.double()) == math.inf
+
+
+class SparseTowers(nn.Module):
+    """Two embedding tables with sparse gradients (sparse COO ``.grad``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Embedding(10, 4, sparse=True)
+        self.right = nn.Embedding(10, 4, sparse=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.left(ids) * self.right(ids)
+
+
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+def test_sparse_gradients_are_compared(planner: Planner) -> None:
+    report = check(SparseTowers(), torch.randint(0, 10, (3, 5)), planner=planner)
+    assert report.ok, str(report)
+    assert {"grad:left.weight", "grad:right.weight"} <= {entry.name for entry in report.parity}
+
+
+def test_sparse_parity_compares_values_and_layout() -> None:
+    dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    sparse = dense.to_sparse()
+    uncoalesced = torch.sparse_coo_tensor(
+        [[1, 0, 1], [0, 1, 0]], [1.5, 1.0, 0.5], (2, 2), check_invariants=True
+    )
+    assert check_module._max_abs_diff(sparse, uncoalesced) == 0.0  # same values
+    assert check_module._max_abs_diff(sparse, (dense * 2).to_sparse()) == 2.0
+    assert check_module._max_abs_diff(sparse, dense) == math.inf  # another layout
 
 
 def test_check_rejects_bad_arguments() -> None:
