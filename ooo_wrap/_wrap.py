@@ -265,13 +265,17 @@ def plan_pending(model: nn.Module) -> bool:
 
 
 def stage_of(module: object) -> tuple[nn.Module, str] | None:
-    """The wrapped model and stage name if ``module`` is a stage with the wrapper's hooks."""
+    """The wrapped model and stage name if ``module`` is a stage with the wrapper's hooks.
+
+    By the hooks, not by name: after model surgery (``model.blocks[1] = new``) the module
+    wrapped as the stage keeps the hooks, and the one now at the name has none.
+    """
     for model, state in list(_wrapped.items()):
         if state.scheduler is None:
             continue  # no stage hooks yet (plan to be learned) or none at all
-        for stage in state.plan.stages:
-            if model.get_submodule(stage.name) is module:
-                return model, stage.name
+        name = state.scheduler.stage_name_of(module)
+        if name is not None:
+            return model, name
     return None
 
 
