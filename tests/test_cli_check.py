@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.cli_factories import Leaky
-from tests.cli_helpers import doc_commands, run_cli
+from tests.cli_helpers import PROG, doc_commands, run_cli
 
 
 def _direct_check(model: torch.nn.Module, *inputs: torch.Tensor) -> object:
@@ -98,6 +98,24 @@ def test_a_model_that_falls_back_exits_1_saying_nothing_was_checked() -> None:
     first = result.out.splitlines()[0]
     assert first.startswith("ooo_wrap check: NOT CHECKED: the wrapper fell back")
     assert "too_few_stages" in first and "nothing was checked" in first
+
+
+@pytest.mark.parametrize("command", ["check", "plan"])
+def test_an_input_that_cannot_be_allocated_is_a_usage_error_in_one_line(command: str) -> None:
+    # 10^19 elements: the size overflows, so nothing is allocated to find that out.
+    shape = "100000000x100000000x1000"
+    result = run_cli(command, "examples.quickstart:build_model", "--input", shape)
+    assert (result.status, result.out) == (2, "")
+    assert result.err.count("\n") == 1
+    assert result.err.startswith(f"{PROG}: error: cannot allocate --input {shape} (float32)")
+
+
+def test_a_model_on_the_meta_device_is_a_usage_error_in_one_line() -> None:
+    result = run_cli("check", "tests.cli_factories:on_meta", "--input", "2x4")
+    assert (result.status, result.out) == (2, "")
+    assert result.err.count("\n") == 1
+    assert "tests.cli_factories:on_meta() built the model on the meta device" in result.err
+    assert "'0.weight'" in result.err and "to_empty" in result.err
 
 
 @pytest.mark.parametrize(
