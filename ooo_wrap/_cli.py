@@ -256,6 +256,7 @@ def _run_check(args: argparse.Namespace) -> int:
         report = testing.check(
             model,
             *inputs,
+            example_kwargs=None,  # --input shapes are positional inputs only
             streams=args.streams,
             stages=args.stages,
             steps=args.steps,

@@ -156,6 +156,30 @@ def test_sparse_parity_compares_values_and_layout() -> None:
     assert check_module._max_abs_diff(sparse, dense) == math.inf  # another layout
 
 
+class Masked(nn.Module):
+    """Keyword inputs, as Hugging Face models take them: ``model(ids, attention_mask=m)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(6, 6)
+        self.right = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return (self.left(x) * mask + self.right(x) * scale).tanh()
+
+
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+def test_check_takes_keyword_inputs(planner: Planner) -> None:
+    x, mask = torch.randn(3, 6), torch.ones(3, 6, requires_grad=True)
+    kwargs = {"mask": mask, "scale": 0.5}
+    report = check(Masked(), x, example_kwargs=kwargs, planner=planner)
+    assert report.ok, str(report)
+    assert report.not_checked is None
+    assert mask.grad is None and kwargs == {"mask": mask, "scale": 0.5}  # the caller's
+    with pytest.raises(TypeError, match="mask"):
+        check(Masked(), x, planner=planner)  # the forward needs it: the model's own error
+
+
 def test_check_rejects_bad_arguments() -> None:
     wrapped = ooo_wrap.OOOModule(
         Towers(), backend=ooo_wrap.testing.SimulatedBackend(), planner="static"

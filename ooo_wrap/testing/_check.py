@@ -6,7 +6,7 @@ import contextlib
 import copy
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,11 +27,13 @@ _LR = 1e-3  # the plain SGD step both copies take, so step 2 runs on updated wei
 _SEED = 0  # both copies draw the same random numbers (dropout), without touching the caller's
 
 _Named = dict[str, torch.Tensor]
+_Kwargs = dict[str, Any]
 
 
 def check(
     model: nn.Module,
     *inputs: Any,
+    example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     streams: int = 4,
     stages: Sequence[str] | None = None,
@@ -52,6 +54,8 @@ def check(
     Args:
         model: a CPU model, not wrapped.
         inputs: the positional inputs of one forward call (tensors, or nests of them).
+        example_kwargs: its keyword inputs (``attention_mask=...``), as for
+            :func:`ooo_wrap.plan`.
         loss_fn: maps the model's output to a scalar loss; by default the sum of every
             floating-point tensor in the output.
         streams: side streams, as for :class:`~ooo_wrap.OOOModule`.
@@ -101,7 +105,8 @@ def check(
             "learned on an eager first step, and only a later step can be captured"
         )
     backend = DetectingBackend()
-    model = _materialized(model, inputs)
+    kwargs = dict(example_kwargs or {})
+    model = _materialized(model, inputs, kwargs)
     wrapped = OOOModule(
         copy.deepcopy(model),
         streams,
@@ -111,7 +116,7 @@ def check(
         overlap_forward=overlap_forward,
     )
     plain = copy.deepcopy(model)
-    wrapped_inputs, plain_inputs = _fresh(inputs), _fresh(inputs)
+    wrapped_inputs, plain_inputs = _fresh((inputs, kwargs)), _fresh((inputs, kwargs))
     with detect(backend, keep_alive=[wrapped]) as found:
         handles = _label_stages(wrapped, found)
         try:
@@ -172,7 +177,7 @@ def _not_checked(wrapped: nn.Module, *, learned_on_last_step: bool) -> str | Non
     return f"the wrapper fell back ({why}), so no side stream ran and nothing was checked"
 
 
-def _materialized(model: nn.Module, inputs: tuple[Any, ...]) -> nn.Module:
+def _materialized(model: nn.Module, inputs: tuple[Any, ...], kwargs: _Kwargs) -> nn.Module:
     """``model``, or if it has lazy parameters (``nn.LazyLinear`` before its first forward)
     a copy materialized by one no-grad forward, so both checked copies start equal."""
     lazy = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
@@ -181,13 +186,14 @@ def _materialized(model: nn.Module, inputs: tuple[Any, ...]) -> nn.Module:
     ready = copy.deepcopy(model)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_SEED)
-        ready(*_fresh(inputs))
+        args, fresh_kwargs = _fresh((inputs, kwargs))
+        ready(*args, **fresh_kwargs)
     return ready
 
 
 def _train(
     model: nn.Module,
-    inputs: tuple[Any, ...],
+    inputs: tuple[tuple[Any, ...], _Kwargs],
     loss_fn: Callable[[Any], torch.Tensor] | None,
     steps: int,
     found: Detection | None,
@@ -206,7 +212,7 @@ def _train(
             if found is not None and captured:
                 graph = found.backend.capturing()
             with graph:
-                output = model(*inputs)
+                output = model(*inputs[0], **inputs[1])
                 loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
                 torch.autograd.backward(loss)
                 grads = {name: p.grad for name, p in params if p.grad is not None}
