@@ -9,8 +9,9 @@ from typing import Any
 
 from torch import nn
 
+from ._backend import Backend
 from ._errors import OOOConfigError, did_you_mean
-from ._options import check_planner
+from ._options import check_backend, check_planner
 from ._plan import check_streams
 from ._wrap import OOOModule, record_fallback
 
@@ -21,7 +22,9 @@ _KNOWN_KEYS = ("ooo_backprop", "ooo_streams", "ooo_planner", "ooo_overlap_forwar
 logger = logging.getLogger("ooo_wrap")
 
 
-def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
+def from_config(
+    model: nn.Module, config: Mapping[str, Any], *, backend: Backend | None = None
+) -> nn.Module:
     """Wrap ``model`` as a trainer config says; the feature is off unless asked for.
 
     Keys read: ``ooo_backprop`` (bool, default ``False``), ``ooo_streams`` (positive int,
@@ -35,12 +38,15 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
     Args:
         model: the model to wrap.
         config: the trainer's configuration mapping.
+        backend: where streams come from, as for :class:`OOOModule` (the real
+            accelerator by default); an object, so an argument rather than a config key.
 
     Returns:
         ``model``, wrapped by :class:`OOOModule` or untouched.
 
     Raises:
-        OOOConfigError: an unknown ``ooo_*`` key, or a value of the wrong type.
+        OOOConfigError: an unknown ``ooo_*`` key, a value of the wrong type, or a
+            ``backend`` that is not a backend.
 
     Example::
 
@@ -59,12 +65,16 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
     overlap_forward = _flag(config, "ooo_overlap_forward")
     streams = check_streams(config.get("ooo_streams", 4), "config['ooo_streams']")
     planner = check_planner(config.get("ooo_planner", "dataflow"), "config['ooo_planner']")
+    if backend is not None:
+        check_backend(backend)
     if not enabled:
         logger.debug("ooo_backprop is off in the config; model left untouched")
         return model
     if compiled:
         return record_fallback(model, "compiled", warn=True)
-    wrapped: nn.Module = OOOModule(model, streams, planner=planner, overlap_forward=overlap_forward)
+    wrapped: nn.Module = OOOModule(
+        model, streams, backend=backend, planner=planner, overlap_forward=overlap_forward
+    )
     return wrapped
 
 
