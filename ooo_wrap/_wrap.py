@@ -264,6 +264,13 @@ def plan_pending(model: nn.Module) -> bool:
     return state is not None and state.learner is not None
 
 
+def runs_plain(model: nn.Module) -> bool:
+    """Whether ``model`` is wrapped but carries no hook of the wrapper: learning found
+    nothing to overlap, or the learned plan could not start (a ``DISABLED`` event says why)."""
+    state = _wrapped.get(model)
+    return state is not None and state.scheduler is None and state.learner is None
+
+
 def stage_of(module: object) -> tuple[nn.Module, str] | None:
     """The wrapped model and stage name if ``module`` is a stage with the wrapper's hooks.
 

@@ -22,6 +22,11 @@ def single_stage() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 4))
 
 
+def chain() -> nn.Module:
+    """Two stages in a chain: the dataflow planner learns ``no_parallelism``."""
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
 def on_meta() -> nn.Module:
     """Parameters without data, as a model built under ``torch.device("meta")`` has."""
     with torch.device("meta"):

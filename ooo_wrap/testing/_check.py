@@ -14,9 +14,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._errors import OOOConfigError, positive_int
+from .._events import EventKind
 from .._options import Planner
 from .._tensors import map_leaves, named_tensors
-from .._wrap import OOOModule, events_for
+from .._wrap import OOOModule, events_for, runs_plain
 from ._detect import DetectingBackend, Detection, detect
 from ._engine import CHECKED_TORCH
 from ._report import CheckReport, ParityEntry, count_ops
@@ -76,8 +77,10 @@ def check(
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
-        Where the wrapper falls back (e.g. fewer than two stages) there is nothing to
-        check: ``report.ok`` is false and ``report.not_checked`` says why.
+        Where the model runs plain, with no side stream (the wrapper fell back, e.g. for
+        fewer than two stages, or the ``dataflow`` planner learned ``no_parallelism`` and
+        removed its hooks), there is nothing to check: ``report.ok`` is false and
+        ``report.not_checked`` says why.
 
     Raises:
         OOOConfigError: ``model`` is already wrapped, ``steps`` is not a positive int
@@ -163,9 +166,10 @@ def torch_version_note(version: str | None = None) -> str | None:
 
 
 def _not_checked(wrapped: nn.Module, *, learned_on_last_step: bool) -> str | None:
-    """Why nothing was checked, if the wrapper fell back and left the copy untouched, or
-    the only step was the one that learned the plan (inline)."""
-    if isinstance(wrapped, OOOModule):
+    """Why nothing was checked: the copy runs plain (the wrapper fell back and left it
+    untouched, or learned that nothing overlaps and removed its hooks: either way no side
+    stream ran), or the only step was the one that learned the plan (inline)."""
+    if isinstance(wrapped, OOOModule) and not runs_plain(wrapped):
         if learned_on_last_step or wrapped.plan.pending:
             return (
                 "the only step ran inline while the plan was learned, so no side stream ran "
@@ -173,8 +177,13 @@ def _not_checked(wrapped: nn.Module, *, learned_on_last_step: bool) -> str | Non
             )
         return None
     events = events_for(wrapped)
-    why = f"{events[-1].reason}: {events[-1].message}" if events else "the model was not wrapped"
-    return f"the wrapper fell back ({why}), so no side stream ran and nothing was checked"
+    decisive = [e for e in events if e.kind in (EventKind.DISABLED, EventKind.SETUP_FAILED)]
+    event = decisive[-1] if decisive else events[-1] if events else None
+    why = f"{event.reason}: {event.message}" if event else "the model was not wrapped"
+    verdict = f"the model runs plain ({why}), so no side stream ran and nothing was checked"
+    if event is not None and event.reason == "no_parallelism":
+        verdict += "; planner='static' (--planner static) checks the static plan instead"
+    return verdict
 
 
 def _materialized(model: nn.Module, inputs: tuple[Any, ...], kwargs: _Kwargs) -> nn.Module:
