@@ -185,7 +185,9 @@ class OOOModule(nn.Module):
     def unwrap(self) -> nn.Module:
         """Remove every hook and restore the model's class; returns the plain model.
 
-        Calling it again (or on a model that is not wrapped) does nothing. Raises
+        The model is then exactly the plain model, which has no ``unwrap`` method (nothing
+        of the wrapper stays on it): where it may already be unwrapped, or never was
+        wrapped, call :func:`ooo_wrap.unwrap`, which does nothing there. Raises
         :class:`OOOConfigError` if ``fully_shard(model)`` was applied after wrapping.
         """
         return unwrap(self)
