@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import itertools
 import os
 import re
 import sys
@@ -170,9 +171,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     if learn:
         torch.manual_seed(args.seed)
     model = load_model(args.factory)
+    if learn:
+        model = _on_cpu(model, args.factory)
+        inputs = _inputs(args, model)
     try:
         if learn:
-            inputs = _inputs(args, model.cpu())
             the_plan = plan(model, args.streams, stages=args.stages, example_inputs=inputs)
         else:
             the_plan = plan(model, args.streams, stages=args.stages)
@@ -205,8 +208,37 @@ def _inputs(args: argparse.Namespace, model: nn.Module) -> list[torch.Tensor]:
         positive_int(args.int_high, "--int-high")
     high = args.int_high if args.int_high is not None else default_int_high(model)
     generator = torch.Generator().manual_seed(args.seed)
-    pairs = zip(shapes, dtypes, strict=True)
-    return [_random(shape, dtype, high, generator) for shape, dtype in pairs]
+    inputs = []
+    for text, shape, dtype in zip(args.inputs, shapes, dtypes, strict=True):
+        try:
+            inputs.append(_random(shape, dtype, high, generator))
+        except (RuntimeError, MemoryError) as error:  # too large for this machine
+            name = next(key for key, value in DTYPES.items() if value == dtype)
+            raise UsageError(
+                f"cannot allocate --input {text} ({name}): {_one_line(error)}; give a "
+                "smaller shape (a batch of a few samples is enough to plan or check)"
+            ) from None
+    return inputs
+
+
+def _on_cpu(model: nn.Module, spec: str) -> nn.Module:
+    """``model`` on the CPU, where ``plan --input`` and ``check`` run it; a model without
+    data (built on the meta device) is a usage error naming the fix."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    meta = next((name for name, tensor in tensors if tensor.is_meta), None)
+    if meta is not None:
+        raise UsageError(
+            f"{spec}() built the model on the meta device ({meta!r} has no data), and it "
+            "must run on the CPU here; build it on the CPU, or materialize it in the "
+            "factory (model.to_empty(device='cpu'), then load or initialize its weights)"
+        )
+    try:
+        return model.cpu()
+    except Exception as error:
+        raise UsageError(
+            f"moving the model of {spec}() to the CPU failed: {type(error).__name__}: "
+            f"{_one_line(error)}"
+        ) from None
 
 
 def _run_check(args: argparse.Namespace) -> int:
@@ -218,12 +250,13 @@ def _run_check(args: argparse.Namespace) -> int:
     from . import testing  # lazily: the checker is only needed by this command
 
     torch.manual_seed(args.seed)
-    model = load_model(args.factory).cpu()
+    model = _on_cpu(load_model(args.factory), args.factory)
     inputs = _inputs(args, model)
     try:
         report = testing.check(
             model,
             *inputs,
+            example_kwargs=None,  # --input shapes are positional inputs only
             streams=args.streams,
             stages=args.stages,
             steps=args.steps,

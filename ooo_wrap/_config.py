@@ -9,8 +9,9 @@ from typing import Any
 
 from torch import nn
 
+from ._backend import Backend
 from ._errors import OOOConfigError, did_you_mean
-from ._options import check_planner
+from ._options import check_backend, check_planner
 from ._plan import check_streams
 from ._wrap import OOOModule, record_fallback
 
@@ -21,7 +22,9 @@ _KNOWN_KEYS = ("ooo_backprop", "ooo_streams", "ooo_planner", "ooo_overlap_forwar
 logger = logging.getLogger("ooo_wrap")
 
 
-def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
+def from_config(
+    model: nn.Module, config: Mapping[str, Any], *, backend: Backend | None = None
+) -> nn.Module:
     """Wrap ``model`` as a trainer config says; the feature is off unless asked for.
 
     Keys read: ``ooo_backprop`` (bool, default ``False``), ``ooo_streams`` (positive int,
@@ -36,12 +39,15 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
     Args:
         model: the model to wrap.
         config: the trainer's configuration mapping.
+        backend: where streams come from, as for :class:`OOOModule` (the real
+            accelerator by default); an object, so an argument rather than a config key.
 
     Returns:
         ``model``, wrapped by :class:`OOOModule` or untouched.
 
     Raises:
-        OOOConfigError: an unknown ``ooo_*`` key, or a value of the wrong type.
+        OOOConfigError: an unknown ``ooo_*`` key, a value of the wrong type, or a
+            ``backend`` that is not a backend.
 
     Example::
 
@@ -63,6 +69,8 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
     tune = config.get("ooo_tune", "auto")
     if not (isinstance(tune, bool) or tune == "auto"):
         raise OOOConfigError(f"config['ooo_tune'] must be true, false or 'auto', got {tune!r}")
+    if backend is not None:
+        check_backend(backend)
     if not enabled:
         logger.debug("ooo_backprop is off in the config; model left untouched")
         return model
@@ -71,6 +79,7 @@ def from_config(model: nn.Module, config: Mapping[str, Any]) -> nn.Module:
     wrapped: nn.Module = OOOModule(
         model,
         streams,
+        backend=backend,
         planner=planner,
         overlap_forward=overlap_forward,
         tune=tune,

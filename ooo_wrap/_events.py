@@ -23,6 +23,7 @@ class EventKind(enum.Enum):
     BYPASSED = "bypassed"
     STAGE_FAILED = "stage_failed"
     STAGE_NOT_CALLED = "stage_not_called"
+    STAGE_REPLACED = "stage_replaced"  # a stage replaced or removed after wrapping
     UNTRACKED = "untracked"
     UNWRAPPED = "unwrapped"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +41,23 @@ __all__ = [
 class StageRuntime:
     """A planned stage bound to its stream object."""
 
-    __slots__ = ("device", "device_type", "name", "owner", "stream", "stream_index", "twin")
+    __slots__ = (
+        "device",
+        "device_type",
+        "module",
+        "name",
+        "owner",
+        "stream",
+        "stream_index",
+        "twin",
+    )
 
     def __init__(self, owner: Scheduler, stage: Stage, stream: Stream) -> None:
         self.owner = owner
         self.name = stage.name
+        # The module that carries this stage's hooks (set by Scheduler.install), weakly:
+        # after model surgery it may no longer be the model's, and must not be kept alive.
+        self.module: weakref.ref[nn.Module] | None = None
         self.device = stage.device
         self.device_type = stage.device.type
         self.stream_index = stage.stream

@@ -12,7 +12,7 @@ from ._backend import Backend
 from ._errors import OOOConfigError
 from ._plan import as_stage_names, check_streams
 
-__all__ = ["PLANNERS", "Planner", "Tune", "WrapOptions", "check_planner"]
+__all__ = ["PLANNERS", "Planner", "Tune", "WrapOptions", "check_backend", "check_planner"]
 
 Planner = Literal["dataflow", "static"]
 Tune = bool | Literal["auto"]
@@ -59,7 +59,7 @@ class WrapOptions:
             # A tuple, normalised once here, so that the frozen options stay immutable.
             object.__setattr__(self, "stages", tuple(as_stage_names(self.stages, "stages=")))
         if self.backend is not None:
-            _check_backend(self.backend)
+            check_backend(self.backend)
         if not isinstance(self.profile_ranges, bool):
             raise OOOConfigError(
                 f"profile_ranges must be True or False, got {self.profile_ranges!r}; "
@@ -96,7 +96,7 @@ def check_planner(planner: object, where: str) -> Planner:
     )
 
 
-def _check_backend(backend: object) -> None:
+def check_backend(backend: object) -> None:
     """Raise :class:`OOOConfigError` unless ``backend`` has every member of ``Backend``."""
     missing = sorted(
         name

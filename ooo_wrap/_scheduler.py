@@ -40,6 +40,7 @@ import functools
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn, SupportsIndex
 
@@ -113,6 +114,7 @@ class Scheduler:
         deferring = self.overlap_forward
         for stage in self._stages:
             module = model.get_submodule(stage.name)
+            stage.module = weakref.ref(module)
             pre_hook = self._deferring_pre_hook if deferring else self._stage_pre_hook
             pre = functools.partial(pre_hook, stage)
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
@@ -168,7 +170,7 @@ class Scheduler:
             and not call.ran_inline
             and sys.exc_info()[1] is None
         ):
-            self._report_not_called(call.called)
+            self._report_not_called(module, call.called)
         used = call.used
         if not used:
             return
@@ -190,26 +192,71 @@ class Scheduler:
         """
         self._not_called_reported.update(stage.name for stage in self._stages)
 
-    def _report_not_called(self, called: set[StageRuntime]) -> None:
+    def stage_name_of(self, module: object) -> str | None:
+        """The name of the stage whose hooks ``module`` carries, else ``None``."""
+        for stage in self._stages:
+            if stage.module is not None and stage.module() is module:
+                return stage.name
+        return None
+
+    def _report_not_called(self, root: nn.Module, called: set[StageRuntime]) -> None:
         """Say once per stage that a forward finished without calling it: its hooks never
-        ran, so it never ran on its stream (a grouping module forward does not call, or
-        a branch this forward did not take)."""
+        ran, so it never ran on its stream (a grouping module forward does not call, a
+        branch this forward did not take, or a stage replaced after wrapping)."""
         for stage in self._stages:
             if stage in called or stage.name in self._not_called_reported:
                 continue
             self._not_called_reported.add(stage.name)
-            self._events.add(
-                OOOEvent(
-                    EventKind.STAGE_NOT_CALLED,
-                    "not_called",
-                    "a forward of the model finished without calling this stage, so it did "
-                    "not run on its side stream; if forward never calls it as a module (it "
-                    "only groups others), name the sub-modules forward calls with "
-                    "stages=[...]",
-                    stage=stage.name,
-                ),
-                level=logging.WARNING,
+            event = self._surgery_event(root, stage) or OOOEvent(
+                EventKind.STAGE_NOT_CALLED,
+                "not_called",
+                "a forward of the model finished without calling this stage, so it did "
+                "not run on its side stream; if forward never calls it as a module (it "
+                "only groups others), name the sub-modules forward calls with "
+                "stages=[...]",
+                stage=stage.name,
             )
+            self._events.add(event, level=logging.WARNING)
+
+    def _surgery_event(self, root: nn.Module, stage: StageRuntime) -> OOOEvent | None:
+        """The event for a stage that is no longer the module at its name (model surgery
+        after wrapping: ``model.blocks[1] = new``, ``del model.blocks[2]``), else ``None``.
+
+        Looked up only here, off the hot path: the hooks stay on the module wrapped as the
+        stage, so whatever now sits at the name runs as forward calls it, hook-free.
+        """
+        try:
+            current: nn.Module | None = root.get_submodule(stage.name)
+        except AttributeError:
+            current = None
+        wrapped = stage.module() if stage.module is not None else None
+        if current is not None and current is wrapped:
+            return None
+        fix = (
+            "model.replan() (dataflow planner) or ooo_wrap.unwrap(model) and wrapping it "
+            "again plans with the model as it is now"
+        )
+        if current is None:
+            return OOOEvent(
+                EventKind.STAGE_REPLACED,
+                "removed",
+                f"the model has no sub-module {stage.name!r} any more (removed after "
+                f"wrapping), so this stage no longer runs; {fix}",
+                stage=stage.name,
+            )
+        other = self.stage_name_of(current)
+        now = (
+            f"the module now there runs as stage {other!r}, on that stage's side stream"
+            if other is not None
+            else "the module now there is not a stage: it runs inline on the caller's "
+            "stream, as a plain sub-module"
+        )
+        return OOOEvent(
+            EventKind.STAGE_REPLACED,
+            "replaced",
+            f"sub-module {stage.name!r} was replaced after wrapping; {now}; {fix}",
+            stage=stage.name,
+        )
 
     def _stage_pre_hook(
         self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any

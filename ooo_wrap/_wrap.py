@@ -249,7 +249,9 @@ class OOOModule(nn.Module):
     def unwrap(self) -> nn.Module:
         """Remove every hook and restore the model's class; returns the plain model.
 
-        Calling it again (or on a model that is not wrapped) does nothing. Raises
+        The model is then exactly the plain model, which has no ``unwrap`` method (nothing
+        of the wrapper stays on it): where it may already be unwrapped, or never was
+        wrapped, call :func:`ooo_wrap.unwrap`, which does nothing there. Raises
         :class:`OOOConfigError` if ``fully_shard(model)`` was applied after wrapping, and
         :class:`OOOError` inside a forward of the model (it changes nothing then).
         """
@@ -330,14 +332,25 @@ def plan_pending(model: nn.Module) -> bool:
     return state is not None and state.learner is not None
 
 
+def runs_plain(model: nn.Module) -> bool:
+    """Whether ``model`` is wrapped but carries no hook of the wrapper: learning found
+    nothing to overlap, or the learned plan could not start (a ``DISABLED`` event says why)."""
+    state = _wrapped.get(model)
+    return state is not None and state.scheduler is None and state.learner is None
+
+
 def stage_of(module: object) -> tuple[nn.Module, str] | None:
-    """The wrapped model and stage name if ``module`` is a stage with the wrapper's hooks."""
+    """The wrapped model and stage name if ``module`` is a stage with the wrapper's hooks.
+
+    By the hooks, not by name: after model surgery (``model.blocks[1] = new``) the module
+    wrapped as the stage keeps the hooks, and the one now at the name has none.
+    """
     for model, state in list(_wrapped.items()):
         if state.scheduler is None:
             continue  # no stage hooks yet (plan to be learned) or none at all
-        for stage in state.plan.stages:
-            if model.get_submodule(stage.name) is module:
-                return model, stage.name
+        name = state.scheduler.stage_name_of(module)
+        if name is not None:
+            return model, name
     return None
 
 
@@ -383,14 +396,37 @@ def mark_graphed(model: nn.Module) -> None:
         state.scheduler.stages_replay_in_a_graph()
 
 
-def record_fallback(model: nn.Module, reason: str, *, warn: bool = False) -> nn.Module:
-    """Leave ``model`` untouched, record a ``DISABLED`` event for it and return it."""
-    event = OOOEvent(EventKind.DISABLED, reason, _FALLBACK_MESSAGES[reason])
+def record_fallback(
+    model: nn.Module, reason: str, *, warn: bool = False, message: str | None = None
+) -> nn.Module:
+    """Leave ``model`` untouched, record a ``DISABLED`` event for it and return it; the
+    event's message is ``message``, or the reason's usual one."""
+    event = OOOEvent(EventKind.DISABLED, reason, message or _FALLBACK_MESSAGES[reason])
     _detached[model] = (event,)
     logger.info("%s", event)
     if warn:
         warn_user(f"ooo_wrap: {event.message}")
     return model
+
+
+def _too_few_stages(model: nn.Module, the_plan: Plan) -> nn.Module:
+    """Fall back for fewer than two stages; where the user named the one stage, the usual
+    hint (name stages) would be wrong: say why one is not enough."""
+    if the_plan.source not in ("argument", "attribute") or len(the_plan.stages) != 1:
+        return record_fallback(model, "too_few_stages")
+    name = the_plan.stages[0].name
+    if the_plan.source == "argument":
+        where, fix = "stages=", f"stages=[{name!r}, ...]"
+    else:
+        where, fix = "model.ooo_stage_names", f"ooo_stage_names = [{name!r}, ...]"
+    return record_fallback(
+        model,
+        "too_few_stages",
+        message=f"{where} names a single stage, {name!r}, which has nothing to overlap "
+        "with (stages overlap each other, so it takes two or more): standard backward; "
+        f"name two or more sub-modules that can run at the same time ({fix}), or leave "
+        "the names out to have the stages found",
+    )
 
 
 def _rewrap(model: nn.Module, options: WrapOptions) -> _WrapState | None:
@@ -448,7 +484,7 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
         return _wrap_learning(model, options, backend)
     the_plan = plan(model, options.streams, stages=options.stages)
     if len(the_plan.stages) < 2:
-        return record_fallback(model, "too_few_stages")
+        return _too_few_stages(model, the_plan)
     if len(the_plan.devices) > 1:
         return record_fallback(model, "multi_device")
     reason = backend.unsupported_reason(the_plan.devices[0])
@@ -465,7 +501,7 @@ def _wrap_learning(model: nn.Module, options: WrapOptions, backend: Backend) -> 
     """
     named = named_stages(model, options.streams, options.stages)
     if named is not None and len(named.stages) < 2:
-        return record_fallback(model, "too_few_stages")
+        return _too_few_stages(model, named)
     devices = [d for d in _devices(model) if backend.unsupported_reason(d) is None]
     if not devices:  # a model with neither parameters nor buffers
         return record_fallback(model, "too_few_stages")

@@ -22,6 +22,17 @@ def single_stage() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 4))
 
 
+def chain() -> nn.Module:
+    """Two stages in a chain: the dataflow planner learns ``no_parallelism``."""
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
+def on_meta() -> nn.Module:
+    """Parameters without data, as a model built under ``torch.device("meta")`` has."""
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
 def already_wrapped() -> nn.Module:
     from ooo_wrap import OOOModule
     from ooo_wrap.testing import SimulatedBackend

@@ -63,10 +63,14 @@ def test_one_seed_builds_one_model(family: str) -> None:
 
 @pytest.mark.parametrize("family", sorted(SMALL))
 def test_models_pass_the_race_checker(family: str) -> None:
-    # The CPU counterpart of the sanitizer run in gpu_check.sh: no races, bitwise parity.
+    # The CPU counterpart of the sanitizer run in gpu_check.sh: no races, bitwise parity,
+    # with its static plan (at these sizes the dataflow planner finds no fork worth it
+    # for some families, and a model that runs plain checks nothing).
     spec = SMALL[family]
     x, y = spec.make_batch(2)
-    report = ooo_wrap.testing.check(spec.build(), x, loss_fn=lambda out: spec.loss(out, y))
+    report = ooo_wrap.testing.check(
+        spec.build(), x, loss_fn=lambda out: spec.loss(out, y), planner="static"
+    )
     assert report.ok, str(report)
 
 

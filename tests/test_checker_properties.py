@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
 from ooo_wrap import _learn
-from ooo_wrap.testing import check
+from ooo_wrap.testing import CheckReport, check
 
 WIDTH = 8
 BLOCKS = ("linear", "mlp", "kwargs", "checkpoint")
@@ -172,8 +172,19 @@ def test_random_models_pass_with_deferred_joins(spec: Spec) -> None:
     torch.manual_seed(0)
     model = GrammarModel(spec)
     report = check(model, torch.randn(4, WIDTH), streams=spec.streams, overlap_forward=True)
-    assert report.ok, f"{spec}\n{report}"
+    _assert_ok_or_runs_plain(report, spec)
     assert report.parity and all(entry.max_abs_diff == 0.0 for entry in report.parity)
+
+
+def _assert_ok_or_runs_plain(report: CheckReport, spec: Spec) -> None:
+    """Clean, or (the dataflow planner found no fork worth it) the model ran plain and the
+    report says that nothing was checked."""
+    if report.not_checked is not None and "(no_parallelism: " in report.not_checked:
+        assert report.not_checked.startswith("the model runs plain"), str(report)
+        assert not report.races and not report.allocator_hazards, str(report)
+        assert [row.stream for row in report.ops] == ["default"], str(report)
+    else:
+        assert report.ok, f"{spec}\n{report}"
 
 
 @_settings
@@ -220,7 +231,8 @@ def test_random_models_pass_with_the_learned_plan(spec: Spec) -> None:
     assert learned.learned is not None
     edges = learned.learned.count_edges(learned.learned.stage_streams)
     assert edges.chain_splits == 0, f"{spec}\n{learned}"
-    assert report.ok, f"{spec}\n{report}"
+    assert (report.not_checked is not None) == (not learned.stages), str(report)
+    _assert_ok_or_runs_plain(report, spec)
     assert report.parity and all(entry.max_abs_diff == 0.0 for entry in report.parity)
     used = {row.stream for row in report.ops if row.forward and row.stream != "default"}
     assert len(used) == learned.num_streams, f"{spec}\n{learned}\n{report}"

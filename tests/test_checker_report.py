@@ -5,13 +5,17 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
 import ooo_wrap
+from ooo_wrap import _learn
+from ooo_wrap._options import Planner
 from ooo_wrap.testing import (
     CheckFailed,
     CheckReport,
@@ -125,6 +129,67 @@ def test_parity_entries_flag_differences() -> None:
     assert check_module._max_abs_diff(a, a.double()) == math.inf
 
 
+class SparseTowers(nn.Module):
+    """Two embedding tables with sparse gradients (sparse COO ``.grad``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Embedding(10, 4, sparse=True)
+        self.right = nn.Embedding(10, 4, sparse=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.left(ids) * self.right(ids)
+
+
+# These models are far too small for a fork to pay on a real GPU: with the dataflow planner
+# the learner's reference GPU gets a near-free fork, so that a plan is learned and checked.
+_FREE_FORK = replace(_learn.REFERENCE_GPU, fork_join_us=1e-6)
+
+
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+def test_sparse_gradients_are_compared(planner: Planner) -> None:
+    with mock.patch.object(_learn, "REFERENCE_GPU", _FREE_FORK):
+        report = check(SparseTowers(), torch.randint(0, 10, (3, 5)), planner=planner)
+    assert report.ok, str(report)
+    assert {"grad:left.weight", "grad:right.weight"} <= {entry.name for entry in report.parity}
+
+
+def test_sparse_parity_compares_values_and_layout() -> None:
+    dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    sparse = dense.to_sparse()
+    uncoalesced = torch.sparse_coo_tensor(
+        [[1, 0, 1], [0, 1, 0]], [1.5, 1.0, 0.5], (2, 2), check_invariants=True
+    )
+    assert check_module._max_abs_diff(sparse, uncoalesced) == 0.0  # same values
+    assert check_module._max_abs_diff(sparse, (dense * 2).to_sparse()) == 2.0
+    assert check_module._max_abs_diff(sparse, dense) == math.inf  # another layout
+
+
+class Masked(nn.Module):
+    """Keyword inputs, as Hugging Face models take them: ``model(ids, attention_mask=m)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(6, 6)
+        self.right = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return (self.left(x) * mask + self.right(x) * scale).tanh()
+
+
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+def test_check_takes_keyword_inputs(planner: Planner) -> None:
+    x, mask = torch.randn(3, 6), torch.ones(3, 6, requires_grad=True)
+    kwargs = {"mask": mask, "scale": 0.5}
+    with mock.patch.object(_learn, "REFERENCE_GPU", _FREE_FORK):
+        report = check(Masked(), x, example_kwargs=kwargs, planner=planner)
+    assert report.ok, str(report)
+    assert report.not_checked is None
+    assert mask.grad is None and kwargs == {"mask": mask, "scale": 0.5}  # the caller's
+    with pytest.raises(TypeError, match="mask"):
+        check(Masked(), x, planner=planner)  # the forward needs it: the model's own error
+
+
 def test_check_rejects_bad_arguments() -> None:
     wrapped = ooo_wrap.OOOModule(
         Towers(), backend=ooo_wrap.testing.SimulatedBackend(), planner="static"
@@ -141,17 +206,27 @@ def test_check_rejects_bad_arguments() -> None:
         )
 
 
-def test_a_model_that_falls_back_is_not_reported_ok_and_says_why() -> None:
-    report = check(nn.Sequential(nn.Linear(6, 6)), torch.randn(2, 6), planner="static")
+@pytest.mark.parametrize(
+    ("planner", "reason"), [("static", "too_few_stages"), ("dataflow", "no_parallelism")]
+)
+def test_a_model_that_runs_plain_is_not_reported_ok_and_says_why(
+    planner: Planner, reason: str
+) -> None:
+    # Falling back at wrap time and learning that nothing overlaps both leave the model
+    # running plain, with no side stream: nothing was checked, and the report says so alike.
+    chain = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    model = nn.Sequential(nn.Linear(6, 6)) if planner == "static" else chain
+    report = check(model, torch.randn(2, 6), planner=planner)
     assert not report.ok
     assert report.not_checked is not None
-    assert "too_few_stages" in report.not_checked
-    assert str(report).startswith("ooo_wrap check: NOT CHECKED: the wrapper fell back")
-    assert "too_few_stages" in str(report).splitlines()[0]
+    assert report.not_checked.startswith(f"the model runs plain ({reason}: ")
+    assert "so no side stream ran and nothing was checked" in report.not_checked
+    assert ("planner='static'" in report.not_checked) == (reason == "no_parallelism")
+    assert str(report) == f"ooo_wrap check: NOT CHECKED: {report.not_checked}"
     with pytest.raises(CheckFailed, match="NOT CHECKED"):
         report.raise_if_failed()
     assert [row.stream for row in report.ops] == ["default"]
-    assert any("too_few_stages" in note for note in report.notes)
+    assert any(reason in note for note in report.notes)
 
 
 def test_a_wrapped_model_is_checked() -> None:

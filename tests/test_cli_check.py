@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.cli_factories import Leaky
-from tests.cli_helpers import doc_commands, run_cli
+from tests.cli_helpers import PROG, doc_commands, run_cli
 
 
 def _direct_check(model: torch.nn.Module, *inputs: torch.Tensor) -> object:
@@ -35,6 +35,8 @@ def _direct_check(model: torch.nn.Module, *inputs: torch.Tensor) -> object:
             "float32",
             "--streams",
             "2",
+            "--planner",  # too small for the dataflow planner to find a fork worth it
+            "static",
         ],
     ],
 )
@@ -64,7 +66,7 @@ def test_capture_checks_the_last_step_under_simulated_graph_capture() -> None:
 
 
 def test_a_broken_capture_rule_is_a_finding_in_one_line() -> None:
-    argv = ["check", "tests.cli_factories:HostRead", "--input", "4x8"]
+    argv = ["check", "tests.cli_factories:HostRead", "--input", "4x8", "--planner", "static"]
     eager = run_cli(*argv)
     assert (eager.status, eager.err) == (0, ""), eager.out  # a host read is fine eagerly
     result = run_cli(*argv, "--capture")
@@ -90,14 +92,37 @@ def test_overlap_forward_checks_deferred_joins() -> None:
     )
 
 
-def test_a_model_that_falls_back_exits_1_saying_nothing_was_checked() -> None:
-    result = run_cli(
-        "check", "tests.cli_factories:single_stage", "--input", "2x4", "--planner", "static"
-    )
+@pytest.mark.parametrize(
+    ("factory", "planner", "reason"),
+    [("single_stage", "static", "too_few_stages"), ("chain", "dataflow", "no_parallelism")],
+)
+def test_a_model_that_runs_plain_exits_1_saying_nothing_was_checked(
+    factory: str, planner: str, reason: str
+) -> None:
+    argv = [f"tests.cli_factories:{factory}", "--input", "2x4", "--planner", planner]
+    result = run_cli("check", *argv)
     assert result.status == 1, result.err
     first = result.out.splitlines()[0]
-    assert first.startswith("ooo_wrap check: NOT CHECKED: the wrapper fell back")
-    assert "too_few_stages" in first and "nothing was checked" in first
+    assert first.startswith(f"ooo_wrap check: NOT CHECKED: the model runs plain ({reason}: ")
+    assert "so no side stream ran and nothing was checked" in first
+
+
+@pytest.mark.parametrize("command", ["check", "plan"])
+def test_an_input_that_cannot_be_allocated_is_a_usage_error_in_one_line(command: str) -> None:
+    # 10^19 elements: the size overflows, so nothing is allocated to find that out.
+    shape = "100000000x100000000x1000"
+    result = run_cli(command, "examples.quickstart:build_model", "--input", shape)
+    assert (result.status, result.out) == (2, "")
+    assert result.err.count("\n") == 1
+    assert result.err.startswith(f"{PROG}: error: cannot allocate --input {shape} (float32)")
+
+
+def test_a_model_on_the_meta_device_is_a_usage_error_in_one_line() -> None:
+    result = run_cli("check", "tests.cli_factories:on_meta", "--input", "2x4")
+    assert (result.status, result.out) == (2, "")
+    assert result.err.count("\n") == 1
+    assert "tests.cli_factories:on_meta() built the model on the meta device" in result.err
+    assert "'0.weight'" in result.err and "to_empty" in result.err
 
 
 @pytest.mark.parametrize(
@@ -108,9 +133,8 @@ def test_shared_embedding_layouts_plan_and_check(factory: str, inputs: list[str]
     planned = run_cli("plan", f"tests.cli_factories:{factory}")
     assert (planned.status, planned.err) == (0, "")
     assert planned.out.startswith("Plan: 2 stages on 2 side streams")
-    checked = run_cli(
-        "check", f"tests.cli_factories:{factory}", "--input", *inputs, "--dtype", "int64"
-    )
+    argv = [f"tests.cli_factories:{factory}", "--input", *inputs, "--dtype", "int64"]
+    checked = run_cli("check", *argv, "--planner", "static")
     assert (checked.status, checked.err) == (0, ""), checked.out
     assert checked.out.startswith("ooo_wrap check: OK")
 

@@ -143,6 +143,22 @@ def test_the_planner_is_dataflow_unless_the_config_says_static() -> None:
     assert isinstance(static, OOOModule) and static.plan.source == "automatic"
 
 
+def test_a_backend_is_passed_as_a_keyword() -> None:
+    # No monkeypatched default here: the backend given is the one used.
+    backend = SimulatedBackend(keep_all=True)
+    config = {"ooo_backprop": True, "ooo_planner": "static"}
+    model = ooo_wrap.from_config(Towers(n=3), config, backend=backend)
+    assert isinstance(model, OOOModule)
+    assert model.events[-1].reason == "simulated"
+    model(two_tower_input(dim=6))
+    assert model.stats.stage_calls == 4 and backend.log
+    off = make_two_towers()
+    assert ooo_wrap.from_config(off, {}, backend=backend) is off  # off: untouched
+    assert type(off) is TwoTowers
+    with pytest.raises(OOOConfigError, match="backend must be a stream backend"):
+        ooo_wrap.from_config(make_two_towers(), {}, backend="simulated")  # type: ignore[arg-type]
+
+
 def test_config_must_be_a_mapping() -> None:
     with pytest.raises(OOOConfigError, match="list"):
         ooo_wrap.from_config(make_two_towers(), [("ooo_backprop", True)])  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ def test_event_kinds_values_and_str() -> None:
         "BYPASSED": "bypassed",
         "STAGE_FAILED": "stage_failed",
         "STAGE_NOT_CALLED": "stage_not_called",
+        "STAGE_REPLACED": "stage_replaced",
         "UNTRACKED": "untracked",
         "UNWRAPPED": "unwrapped",
     }

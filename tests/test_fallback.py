@@ -124,6 +124,28 @@ def test_fewer_than_two_stages_is_untouched(model: nn.Module, stages: list[str] 
     assert backend.log == ()  # no stream created
 
 
+class NamesOneStage(TwoTowers):
+    ooo_stage_names = ("towers.1",)
+
+
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+@pytest.mark.parametrize("where", ["stages=", "model.ooo_stage_names"])
+def test_a_single_named_stage_says_it_has_nothing_to_overlap_with(planner: str, where: str) -> None:
+    model = make_two_towers() if where == "stages=" else NamesOneStage()
+    stages = ["towers.0"] if where == "stages=" else None
+    name = "towers.0" if where == "stages=" else "towers.1"
+    cls, hooks = type(model), hook_snapshot(model)
+    OOOModule(model, backend=SimulatedBackend(), stages=stages, planner=planner)  # type: ignore[arg-type]
+    assert_untouched(model, cls, hooks)
+    event = only_event(model)
+    assert (event.kind, event.reason) == (EventKind.DISABLED, "too_few_stages")
+    assert event.message.startswith(
+        f"{where} names a single stage, {name!r}, which has nothing to overlap with"
+    )
+    assert "name stages with" not in event.message  # the user did
+    assert "two or more" in event.message
+
+
 def test_fallback_is_logged_at_info_on_the_ooo_wrap_logger(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -341,6 +341,24 @@ def test_a_stage_passed_alone_is_refused_with_what_to_pass() -> None:
         ooo_wrap.make_graphed_callables((model, stage), ((x,), (x,)))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: no CUDA device")
+def test_model_surgery_on_another_wrapped_model_does_not_break_make_graphed_callables() -> None:
+    cut, replaced = _wrapped(Towers()), _wrapped(Towers())
+    del cut.towers[2]  # stage 'towers.2' no longer exists
+    old = replaced.towers[0]
+    replaced.towers[0] = nn.Linear(DIM, DIM)  # not a stage: it carries no hook
+    x = torch.randn(5, DIM)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    assert ooo_wrap.make_graphed_callables(fn, (x,)) is fn
+    assert ooo_wrap.make_graphed_callables(replaced.towers[0], (x,)) is replaced.towers[0]
+    # The replaced module still carries the wrapper's hooks, which PyTorch would refuse.
+    with pytest.raises(ooo_wrap.OOOConfigError, match=r"callable 0 .* is stage 'towers.0'"):
+        ooo_wrap.make_graphed_callables(old, (x,))
+
+
 def test_torchs_own_function_refuses_a_wrapped_model() -> None:
     # The premise of ooo_wrap.make_graphed_callables; PyTorch checks hooks before any CUDA
     # work, so this runs on the CPU too.

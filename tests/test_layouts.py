@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 from cli_factories import SharedEmbeddingTowers, T5Style
-from models import hook_snapshot
+from models import Towers, hook_snapshot
 from torch import nn
 
 import ooo_wrap
@@ -193,6 +193,31 @@ def test_a_stage_never_called_is_reported_once_after_the_forward(
 def test_check_notes_a_stage_never_called() -> None:
     report = check(Grouped(), torch.randn(3, 2), planner="static")
     assert any(note.startswith("stage_not_called/not_called [group]") for note in report.notes)
+
+
+@pytest.mark.parametrize("surgery", ["replaced", "removed"])
+def test_a_stage_replaced_or_removed_after_wrapping_is_reported_as_such(surgery: str) -> None:
+    model = OOOModule(Towers(n=3), backend=SimulatedBackend(), planner="static")
+    assert [s.name for s in model.plan.stages] == ["towers.0", "towers.1", "towers.2", "head"]
+    calls: list[str] = []
+    if surgery == "replaced":
+        model.towers[1] = nn.Linear(6, 6)
+        model.towers[1].register_forward_hook(lambda *_: calls.append("new") or None)
+    else:
+        del model.towers[2]
+    changed = "towers.1" if surgery == "replaced" else "towers.2"
+    model(torch.randn(3, 6))
+    model(torch.randn(3, 6))
+    assert model.stats.stage_calls == 2 * 3
+    assert calls == (["new", "new"] if surgery == "replaced" else [])
+    kinds = {e.kind for e in model.events}
+    assert EventKind.STAGE_NOT_CALLED not in kinds
+    (event,) = [e for e in model.events if e.kind is EventKind.STAGE_REPLACED]
+    assert (event.reason, event.stage, event.count) == (surgery, changed, 1)
+    assert f"'{changed}'" in event.message and "after wrapping" in event.message
+    if surgery == "replaced":
+        assert "runs inline on the caller's stream" in event.message
+    assert "model.replan()" in event.message
 
 
 def test_every_stage_called_reports_nothing() -> None:

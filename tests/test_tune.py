@@ -368,20 +368,19 @@ def test_overlap_forward_tunes_too() -> None:
     assert model.tuning is not None and model.tuning.decision == "plan"
 
 
-def test_from_config_passes_ooo_tune(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str, object] = {}
-
-    def fake_wrap(model: nn.Module, *args: object, **kwargs: object) -> nn.Module:
-        seen.update(kwargs)
+def test_from_config_passes_ooo_tune() -> None:
+    def wrapped(**config: object) -> nn.Module:
+        backend = SimulatedBackend(step_time=planned_ms(8.0, 10.0))
+        config = {"ooo_backprop": True, "ooo_planner": "static", **config}
+        model = ooo_wrap.from_config(make_two_towers(), config, backend=backend)
+        train(model, 1)
         return model
 
-    monkeypatch.setattr("ooo_wrap._config.OOOModule", fake_wrap)
-    ooo_wrap.from_config(make_two_towers(), {"ooo_backprop": True, "ooo_tune": False})
-    assert seen["tune"] is False
-    ooo_wrap.from_config(make_two_towers(), {"ooo_backprop": True})
-    assert seen["tune"] == "auto"
+    assert wrapped(ooo_tune=False).tuning is None
+    tuned = wrapped().tuning
+    assert tuned is not None and tuned.decision == "pending"
     with pytest.raises(OOOConfigError, match=r"config\['ooo_tune'\]"):
-        ooo_wrap.from_config(make_two_towers(), {"ooo_backprop": True, "ooo_tune": "on"})
+        wrapped(ooo_tune="on")
 
 
 def test_the_record_reads_as_one_line() -> None:

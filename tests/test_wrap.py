@@ -204,6 +204,24 @@ def test_unwrap_is_idempotent_and_a_no_op_on_plain_models() -> None:
     assert ooo_wrap.events_for(plain) == ()
 
 
+@pytest.mark.parametrize("state", ["learning", "no_parallelism", "static", "fell_back"])
+def test_ooo_wrap_unwrap_is_idempotent_in_every_state(state: str) -> None:
+    chain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = chain if state == "no_parallelism" else make_two_towers()
+    cls, hooks = type(model), hook_snapshot(model)
+    planner = "static" if state == "static" else "dataflow"
+    backend = None if state == "fell_back" else SimulatedBackend()
+    OOOModule(model, backend=backend, planner=planner)
+    if state == "no_parallelism":
+        model(torch.randn(2, 4))  # learns that nothing overlaps: every hook removed
+        assert ooo_wrap.events_for(model)[-1].reason == "no_parallelism"
+    for _ in range(3):
+        assert ooo_wrap.unwrap(model) is model
+        assert type(model) is cls and hook_snapshot(model) == hooks
+    # The method is the wrapper's: the plain model has none (unwrap restores it exactly).
+    assert not hasattr(model, "unwrap")
+
+
 def test_unwrapped_model_runs_plain_and_can_be_wrapped_again() -> None:
     backend = SimulatedBackend(keep_all=True)
     model = make_two_towers()

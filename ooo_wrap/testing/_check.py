@@ -6,7 +6,7 @@ import contextlib
 import copy
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,9 +14,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._errors import OOOConfigError, positive_int
+from .._events import EventKind
 from .._options import Planner
 from .._tensors import map_leaves, named_tensors
-from .._wrap import OOOModule, events_for
+from .._wrap import OOOModule, events_for, runs_plain
 from ._detect import DetectingBackend, Detection, detect
 from ._engine import CHECKED_TORCH
 from ._report import CheckReport, ParityEntry, count_ops
@@ -27,11 +28,13 @@ _LR = 1e-3  # the plain SGD step both copies take, so step 2 runs on updated wei
 _SEED = 0  # both copies draw the same random numbers (dropout), without touching the caller's
 
 _Named = dict[str, torch.Tensor]
+_Kwargs = dict[str, Any]
 
 
 def check(
     model: nn.Module,
     *inputs: Any,
+    example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     streams: int = 4,
     stages: Sequence[str] | None = None,
@@ -52,6 +55,8 @@ def check(
     Args:
         model: a CPU model, not wrapped.
         inputs: the positional inputs of one forward call (tensors, or nests of them).
+        example_kwargs: its keyword inputs (``attention_mask=...``), as for
+            :func:`ooo_wrap.plan`.
         loss_fn: maps the model's output to a scalar loss; by default the sum of every
             floating-point tensor in the output.
         streams: side streams, as for :class:`~ooo_wrap.OOOModule`.
@@ -72,8 +77,10 @@ def check(
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
-        Where the wrapper falls back (e.g. fewer than two stages) there is nothing to
-        check: ``report.ok`` is false and ``report.not_checked`` says why.
+        Where the model runs plain, with no side stream (the wrapper fell back, e.g. for
+        fewer than two stages, or the ``dataflow`` planner learned ``no_parallelism`` and
+        removed its hooks), there is nothing to check: ``report.ok`` is false and
+        ``report.not_checked`` says why.
 
     Raises:
         OOOConfigError: ``model`` is already wrapped, ``steps`` is not a positive int
@@ -101,7 +108,8 @@ def check(
             "learned on an eager first step, and only a later step can be captured"
         )
     backend = DetectingBackend()
-    model = _materialized(model, inputs)
+    kwargs = dict(example_kwargs or {})
+    model = _materialized(model, inputs, kwargs)
     wrapped = OOOModule(
         copy.deepcopy(model),
         streams,
@@ -111,7 +119,7 @@ def check(
         overlap_forward=overlap_forward,
     )
     plain = copy.deepcopy(model)
-    wrapped_inputs, plain_inputs = _fresh(inputs), _fresh(inputs)
+    wrapped_inputs, plain_inputs = _fresh((inputs, kwargs)), _fresh((inputs, kwargs))
     with detect(backend, keep_alive=[wrapped]) as found:
         handles = _label_stages(wrapped, found)
         try:
@@ -158,9 +166,10 @@ def torch_version_note(version: str | None = None) -> str | None:
 
 
 def _not_checked(wrapped: nn.Module, *, learned_on_last_step: bool) -> str | None:
-    """Why nothing was checked, if the wrapper fell back and left the copy untouched, or
-    the only step was the one that learned the plan (inline)."""
-    if isinstance(wrapped, OOOModule):
+    """Why nothing was checked: the copy runs plain (the wrapper fell back and left it
+    untouched, or learned that nothing overlaps and removed its hooks: either way no side
+    stream ran), or the only step was the one that learned the plan (inline)."""
+    if isinstance(wrapped, OOOModule) and not runs_plain(wrapped):
         if learned_on_last_step or wrapped.plan.pending:
             return (
                 "the only step ran inline while the plan was learned, so no side stream ran "
@@ -168,11 +177,16 @@ def _not_checked(wrapped: nn.Module, *, learned_on_last_step: bool) -> str | Non
             )
         return None
     events = events_for(wrapped)
-    why = f"{events[-1].reason}: {events[-1].message}" if events else "the model was not wrapped"
-    return f"the wrapper fell back ({why}), so no side stream ran and nothing was checked"
+    decisive = [e for e in events if e.kind in (EventKind.DISABLED, EventKind.SETUP_FAILED)]
+    event = decisive[-1] if decisive else events[-1] if events else None
+    why = f"{event.reason}: {event.message}" if event else "the model was not wrapped"
+    verdict = f"the model runs plain ({why}), so no side stream ran and nothing was checked"
+    if event is not None and event.reason == "no_parallelism":
+        verdict += "; planner='static' (--planner static) checks the static plan instead"
+    return verdict
 
 
-def _materialized(model: nn.Module, inputs: tuple[Any, ...]) -> nn.Module:
+def _materialized(model: nn.Module, inputs: tuple[Any, ...], kwargs: _Kwargs) -> nn.Module:
     """``model``, or if it has lazy parameters (``nn.LazyLinear`` before its first forward)
     a copy materialized by one no-grad forward, so both checked copies start equal."""
     lazy = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
@@ -181,13 +195,14 @@ def _materialized(model: nn.Module, inputs: tuple[Any, ...]) -> nn.Module:
     ready = copy.deepcopy(model)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_SEED)
-        ready(*_fresh(inputs))
+        args, fresh_kwargs = _fresh((inputs, kwargs))
+        ready(*args, **fresh_kwargs)
     return ready
 
 
 def _train(
     model: nn.Module,
-    inputs: tuple[Any, ...],
+    inputs: tuple[tuple[Any, ...], _Kwargs],
     loss_fn: Callable[[Any], torch.Tensor] | None,
     steps: int,
     found: Detection | None,
@@ -206,7 +221,7 @@ def _train(
             if found is not None and captured:
                 graph = found.backend.capturing()
             with graph:
-                output = model(*inputs)
+                output = model(*inputs[0], **inputs[1])
                 loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
                 torch.autograd.backward(loss)
                 grads = {name: p.grad for name, p in params if p.grad is not None}
@@ -303,6 +318,13 @@ def _parity(
 def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
         return math.inf
+    if a.layout != b.layout:
+        return math.inf
+    if a.layout != torch.strided:
+        # Sparse gradients (nn.Embedding(sparse=True)): most comparisons below have no
+        # sparse kernel, and two equal sparse tensors may hold their entries in another
+        # order or uncoalesced, so compare the values they stand for.
+        a, b = a.to_dense(), b.to_dense()
     if a.numel() == 0:
         return 0.0
     if not (a.is_floating_point() or a.is_complex()):
