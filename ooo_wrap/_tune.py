@@ -143,7 +143,8 @@ class _Frame:
 
     module: nn.Module
     step: _Step | None  # None: an evaluation forward, its time cut out of the open step
-    skipped: bool = field(default=False)  # nothing recorded (a graph capture)
+    skipped: bool = field(default=False)  # nothing recorded (a capture, a nested call)
+    plain: bool = False  # it runs every stage inline (the plain arm)
 
 
 class Tuner:
@@ -205,6 +206,11 @@ class Tuner:
         if not calls or calls[-1].module is not module or calls[-1].owner is not self._scheduler:
             return  # the scheduler's pre-hook did not open this call
         call = calls[-1]
+        if self._frames:  # called inside its own forward: part of the step in flight
+            if self._frames[0].plain:
+                call.bypass = "tuning"  # 2. inline as the whole plain step is
+            self._frames.append(_Frame(module, None, skipped=True))
+            return
         backend = self._state.backend
         stream = backend.current_stream(self._device)
         if backend.is_capturing(stream):
@@ -233,7 +239,7 @@ class Tuner:
         self._open = _Step(arm if arm in self._warmed else None, [mark])
         if arm is not None:
             self._warmed.add(arm)
-        self._frames.append(_Frame(module, self._open))
+        self._frames.append(_Frame(module, self._open, plain=arm == "plain"))
 
     def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or not self._frames:

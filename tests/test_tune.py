@@ -450,3 +450,22 @@ def test_retune_inside_a_forward_is_refused_and_leaves_tuning_as_it_was() -> Non
     assert model.tuning is not None and model.tuning.decision == "plan"
     model.retune()  # between forwards: done
     assert model.tuning is not None and model.tuning.decision == "pending"
+
+
+def test_a_model_called_inside_its_own_forward_is_one_step() -> None:
+    class Recursive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.towers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+        def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+            out: torch.Tensor = self.towers[0](x) + self.towers[1](x)
+            return self(out, depth - 1) if depth else out
+
+    backend = SimulatedBackend(step_time=planned_ms(8.0, 10.0))
+    model = ooo_wrap.OOOModule(Recursive(), backend=backend, stages=STAGES, planner="static")
+    until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert len(tuning.plan_ms) == len(tuning.plain_ms) == 6
+    assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
