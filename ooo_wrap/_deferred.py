@@ -71,10 +71,6 @@ from torch._C import (
 )
 from torch.overrides import TorchFunctionMode
 
-# ``torch.set_default_device`` keeps this mode at the very bottom and asserts it is there
-# when the default changes: ours goes just above it.
-from torch.utils._device import DeviceContext
-
 from ._backend import Backend, Event, Stream
 from ._stats import Counters
 
@@ -340,7 +336,12 @@ def _put_under(mode: JoinOnTouch) -> None:
     ``with`` block then pops its own mode when it ends, and its ops reach ours after
     its mode ran."""
     depth = _len_torch_function_stack()
-    bottom = 1 if depth and isinstance(_get_function_stack_at(0), DeviceContext) else 0
+    # ``torch.set_default_device`` keeps its mode at the very bottom (kept on the private
+    # ``torch._GLOBAL_DEVICE_CONTEXT``) and asserts it is there when the default changes:
+    # ours goes just above that one. A ``with torch.device(...)`` block's mode is pushed on
+    # top and popped from the top like a user's, so ours goes under it.
+    default = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    bottom = 1 if depth and default is not None and _get_function_stack_at(0) is default else 0
     above = [_pop_torch_function_stack() for _ in range(depth - bottom)]
     _push_on_torch_function_stack(mode)
     for other in reversed(above):

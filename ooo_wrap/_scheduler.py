@@ -101,6 +101,9 @@ class Scheduler:
         # counter read and bumped there would be guarded on, and recompile every call.
         self.ran_compiled = False
         self._compiled_reported = False
+        # Why stage calls outside any root call run inline, if they must: set by measured
+        # tuning during a plain step, whose backward may recompute checkpointed stages.
+        self.bypass_outside_forward: str | None = None
 
     def install(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
         """Register the hooks, appending each handle to ``handles`` as soon as it exists."""
@@ -131,6 +134,15 @@ class Scheduler:
             "list attribute), and its hooks belong to the wrapped model. Copy or pickle the "
             "whole wrapped model, save model.state_dict(), or ooo_wrap.unwrap(model) first"
         )
+
+    def release(self) -> None:
+        """Forget this thread's reused events of the stages (its hooks are gone): they
+        would keep the scheduler, its streams and its log alive for as long as the thread."""
+        events = self._local.events
+        for stage in self._stages:
+            events.pop(stage, None)
+            if stage.twin is not None:
+                events.pop(stage.twin, None)
 
     def sync_compiled_events(self) -> None:
         """Move bypass counts taken inside compiled code into the event log."""
@@ -273,8 +285,8 @@ class Scheduler:
             reason = call.bypass
         elif frames and frames[-1].module is module and frames[-1].stage.owner is not self:
             return  # outside any forward, a model sharing this module already forked
-        else:
-            reason = eager_bypass_reason()
+        else:  # outside any root call: a checkpoint recomputing it in backward, a direct call
+            reason = eager_bypass_reason() or self.bypass_outside_forward
         backend = self._backend
         if local.recomputing is not None:
             # A checkpoint recomputing in backward, forked or inline: what this call saves

@@ -61,6 +61,10 @@ class _WrapState:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if self.scheduler is not None:
+            self.scheduler.release()
+        if self.tuner is not None:
+            self.tuning = self.tuner.record()  # as far as it got
         self.scheduler = self.learner = self.tuner = None
 
     def stop(self, reason: str, why: str) -> None:
@@ -394,6 +398,8 @@ def mark_graphed(model: nn.Module) -> None:
     state = _wrapped.get(model)
     if state is not None and state.scheduler is not None:
         state.scheduler.stages_replay_in_a_graph()
+    if state is not None and state.tuner is not None:
+        state.tuner.stop_for_graphs()
 
 
 def record_fallback(

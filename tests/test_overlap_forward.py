@@ -425,6 +425,26 @@ def test_the_join_mode_stays_above_the_default_device_mode() -> None:
     assert _idle()
 
 
+def test_a_device_block_in_the_forward_leaves_with_its_block() -> None:
+    """``with torch.device(...)`` pushes its mode on top and pops the top when it ends, as
+    a user's mode does: the join mode must not be above it then."""
+    model = om.ParentOpBetween()
+    _wrap(model)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = model.a(x)  # its join is pending: the join mode is on the stack
+        with torch.device("meta"):
+            h = model.b(h * 2)
+        out: torch.Tensor = h * 3
+        return out
+
+    model.forward = forward  # type: ignore[method-assign]
+    model(om.inputs())
+    assert torch.zeros(1).device.type == "cpu"  # the meta block did not outlive its with
+    model(om.inputs())
+    assert _idle()
+
+
 @pytest.mark.parametrize("factory", [om.DeepFeed, om.DeepReturn])
 def test_a_pending_output_deeper_than_the_search_is_joined(factory: type[nn.Module]) -> None:
     """Passed to the next stage nested too deep, or returned so: the hooks cannot track

@@ -405,7 +405,7 @@ def test_the_record_reads_as_one_line() -> None:
         ((9.9,) * 6, (10.0,) * 6, True, "plain"),  # 1 %: below the smallest gain kept
         ((12.0,) * 6, (10.0,) * 6, False, "plain"),
         ((8.0,) * 5, (10.0,) * 6, False, "pending"),  # not enough steps yet
-        ((8.0,), (10.0,), True, "plain"),  # too few clean steps to tell
+        ((8.0,), (10.0,), True, "plan"),  # too few clean steps: the plan stands, unmeasured
     ],
 )
 def test_decide(
@@ -469,3 +469,182 @@ def test_a_model_called_inside_its_own_forward_is_one_step() -> None:
     assert tuning is not None and tuning.decision == "plan"
     assert len(tuning.plan_ms) == len(tuning.plain_ms) == 6
     assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
+
+
+def test_a_forward_that_raises_when_tuning_would_decide_keeps_its_exception() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    model.register_forward_hook(lambda module, args, output: None)  # the user's own
+    fail = [False]
+
+    def maybe_fail(module: nn.Module, args: object, output: object) -> None:
+        if fail[0]:
+            raise ValueError("the user's error")
+
+    model.get_submodule("towers.1").register_forward_hook(maybe_fail)
+    train(model, 14)  # the next clean forward would decide
+    fail[0] = True
+    with pytest.raises(ValueError, match="the user's error"):
+        model(two_tower_input())
+    fail[0] = False
+    assert model.tuning is not None and model.tuning.decision == "pending"
+    until_decided(model)
+    assert model.tuning.decision == "plan"
+
+
+def test_an_interrupted_evaluation_forward_does_not_break_tuning() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    interrupt = [False]
+
+    def maybe_interrupt(module: nn.Module, args: object) -> None:
+        if interrupt[0]:
+            raise KeyboardInterrupt
+
+    model.get_submodule("towers.0").register_forward_pre_hook(maybe_interrupt)
+    train(model, 4)
+    interrupt[0] = True
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model(two_tower_input())
+    interrupt[0] = False
+    until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
+
+
+@pytest.mark.parametrize("forwards", [2, 3])
+def test_a_step_of_several_forwards_runs_in_one_arm(forwards: int) -> None:
+    # Gradient accumulation, or a loss over two forwards: the optimizer step bounds the
+    # training step, and every forward in it runs the same arm.
+    model, backend = wrap(planned_ms(8.0, 10.0))
+    forked: list[bool] = []
+    model.get_submodule("towers.0").register_forward_pre_hook(
+        lambda module, args: forked.append(backend.current_stream().id != 0)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = two_tower_input()
+    per_step: list[list[bool]] = []
+    for _ in range(60):
+        forked.clear()
+        loss = sum(model(x).sum() for _ in range(forwards))
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        per_step.append(list(forked))
+        assert model.tuning is not None
+        if model.tuning.decision != "pending":
+            break
+    # The first step ran before any optimizer step was seen (each forward was a step);
+    # the last one decided after its first forward.
+    assert all(len(set(arms)) == 1 for arms in per_step[1:-1]), per_step
+    assert {arms[0] for arms in per_step[1:-1]} == {True, False}
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
+
+
+def test_two_models_in_one_loop_tune_one_at_a_time() -> None:
+    # One backend for both: a step of either holds the calls of both. Model a's plan saves
+    # 1 ms of the step, b's 3 ms; while one tunes the other runs its plan.
+    backend = SimulatedBackend(step_time=lambda calls: 10.0 - gain(calls))
+    a = ooo_wrap.OOOModule(make_two_towers(), backend=backend, stages=STAGES, planner="static")
+    b = ooo_wrap.OOOModule(make_two_towers(), backend=backend, stages=STAGES, planner="static")
+    a_streams = {1, 2}
+
+    def gain(calls: Sequence[StreamCall]) -> float:
+        ids = {c.stream.id for c in calls if c.op == "set_stream" and c.stream.id}
+        return (1.0 if ids & a_streams else 0.0) + (3.0 if ids - a_streams else 0.0)
+
+    x = two_tower_input()
+    for _ in range(200):
+        train(a, 1, x)
+        train(b, 1, x)
+        assert a.tuning is not None and b.tuning is not None
+        if b.tuning.decision != "pending":
+            break
+    assert a.tuning.decision == "plan" and b.tuning.decision == "plan"
+    # a tuned while b ran its plan (3 ms saved throughout); then b, with a's plan in force.
+    assert set(a.tuning.plan_ms) == {6.0} and set(a.tuning.plain_ms) == {7.0}
+    assert set(b.tuning.plan_ms) == {6.0} and set(b.tuning.plain_ms) == {9.0}
+
+
+def test_forwards_called_while_an_exception_is_handled_are_counted() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    try:
+        raise RuntimeError("out of memory, say: retry the step")
+    except RuntimeError:
+        until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert len(tuning.plan_ms) == len(tuning.plain_ms) == 6
+
+
+def test_shapes_that_keep_changing_keep_the_plan_unmeasured() -> None:
+    model, backend = wrap(planned_ms(8.0, 10.0))
+    for step in range(200):
+        train(model, 1, two_tower_input(batch=2 + step))
+        assert model.tuning is not None
+        if model.tuning.decision != "pending":
+            break
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan" and tuning.speedup is None
+    assert "unmeasured" in str(tuning)
+    assert (EventKind.TUNED, "unmeasured") in kinds(model)
+    assert not any(e.kind is EventKind.DISABLED for e in model.events)
+    backend.clear_log()
+    train(model, 1)
+    assert side_stream_calls(backend) == 2
+
+
+def test_a_plain_step_recomputes_checkpointed_stages_inline() -> None:
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.towers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def body(x: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor = self.towers[0](x).tanh() + self.towers[1](x).tanh()
+                return out
+
+            out: torch.Tensor = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+            return out
+
+    backend = SimulatedBackend(step_time=planned_ms(8.0, 10.0), keep_all=True)
+    model = ooo_wrap.OOOModule(Checkpointed(), backend=backend, stages=STAGES, planner="static")
+    until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert set(tuning.plain_ms) == {10.0}  # no recomputed stage forked in a plain step
+
+
+def test_retuning_leaves_no_old_scheduler_alive() -> None:
+    import gc
+
+    from ooo_wrap._scheduler import Scheduler
+
+    def schedulers() -> int:
+        gc.collect()
+        return sum(issubclass(type(o), Scheduler) for o in gc.get_objects())
+
+    before = schedulers()
+    model, _ = wrap(slow_plan_ms)
+    for _ in range(3):
+        until_decided(model)
+        model.retune()
+    assert schedulers() - before == 1
+    ooo_wrap.unwrap(model)
+    del model
+    assert schedulers() == before
+
+
+def test_a_forward_replaying_a_graph_stops_tuning() -> None:
+    from ooo_wrap._wrap import mark_graphed
+
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    train(model, 3)
+    mark_graphed(model)
+    assert (EventKind.TUNED, "not_finished") in kinds(model)
+    assert model.tuning is not None and model.tuning.decision == "pending"
+    train(model, 40)
+    assert model.tuning.decision == "pending"  # nothing times the replays
