@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import ooo_wrap
 from ooo_wrap import _learn
 from ooo_wrap._cost import H200
 from ooo_wrap._dataflow import LearnedPlan, learn, learn_plan
@@ -314,3 +315,60 @@ def test_a_named_stage_not_called_in_the_forward_is_kept() -> None:
     assert list(learned.stage_streams) == names
     assert learned.notes == ("unused was not called in the observed forward: any stream will do",)
     assert [s.name for s in learned.to_plan(model, "argument").stages] == names
+
+
+def clip_tower_of(stage: str) -> str:
+    """Which tower of :class:`models.Clip` a stage belongs to (its embedding and projection
+    included)."""
+    top = stage.split(".")[0]
+    return "image" if top in {"patch_embed", "vision", "visual_projection"} else "text"
+
+
+def towers_per_side_stream(streams: dict[str, int]) -> dict[int, set[str]]:
+    towers: dict[int, set[str]] = {}
+    for name, stream in streams.items():
+        towers.setdefault(stream, set()).add(clip_tower_of(name))
+    return towers
+
+
+def test_clip_towers_share_no_side_stream_and_no_stage_costs_less_than_its_fork_join() -> None:
+    # Regression: the image tower (on a side stream) was split into one stage per block link,
+    # layer norms of 4 µs among them, and both towers' k_proj and v_proj shared two streams.
+    torch.manual_seed(0)
+    model = models.Clip().to("meta")
+    the_plan = ooo_wrap.plan(model, streams=4, example_inputs=models.clip_inputs())
+    learned = the_plan.learned
+    assert learned is not None and learned.outcome == "parallel"
+    streams = {stage.name: stage.stream for stage in the_plan.stages}
+    assert streams == learned.stage_streams
+    towers = towers_per_side_stream(streams)
+    assert all(len(mine) == 1 for mine in towers.values()), towers
+    assert set().union(*towers.values()) == {"image", "text"}
+    for stage in learned.stages:  # every call of every stage outlasts its fork/join
+        assert stage.device_us > stage.calls * H200.fork_join_us, stage
+    assert learned.fork_join_us == H200.fork_join_us * sum(s.calls for s in learned.stages)
+    # The text tower stays on the caller's stream, its q/k/v regions still overlap.
+    text_regions = [r for r in learned.regions if r.name.startswith("text.blocks.")]
+    assert len(text_regions) == 4
+    assert all(len({b.stream for b in r.branches}) == 3 for r in text_regions)
+
+
+@pytest.mark.parametrize("streams", [2, 4, 8])
+def test_inner_regions_of_concurrent_towers_get_disjoint_streams(streams: int) -> None:
+    """With a near-free fork every tower splits into its links: the q/k/v regions of the two
+    towers run at once and must not queue on each other's streams."""
+    torch.manual_seed(0)
+    model = models.Clip(depth=2).to("meta")
+    tiny = dataclasses.replace(H200, fork_join_us=1e-6)
+    learned = learn_plan(model, models.clip_inputs(), streams=streams, gpu=tiny)
+    towers = towers_per_side_stream(learned.stage_streams)
+    assert all(len(mine) == 1 for mine in towers.values()), towers
+    inner = {
+        r.name: {b.stream for b in r.branches} for r in learned.regions if ".blocks." in r.name
+    }
+    if streams == 8:  # enough for both: every q/k/v region uses three streams
+        assert len(inner) == 4 and all(len(used) == 3 for used in inner.values()), inner
+    image = set().union(*(used for name, used in inner.items() if name.startswith("vision")))
+    text = set().union(*(used for name, used in inner.items() if name.startswith("text")))
+    assert not image & text, (image, text)
+    assert learned.count_edges(learned.stage_streams).chain_splits == 0
