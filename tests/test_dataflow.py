@@ -118,17 +118,28 @@ def test_chains_have_no_parallelism_and_name_their_longest_chain(
     assert learned.to_plan(model).stages == ()
 
 
-def test_two_towers_get_different_streams_and_keep_their_projections() -> None:
+def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     _, learned = learned_case("two_tower")
     streams = learned.stage_streams
     query = streams.get("query_tower")
     doc = streams.get("doc_tower")
     assert query != doc  # one may stay on the caller's stream (None)
-    assert streams.get("query_proj") == query and streams.get("doc_proj") == doc
-    # the shared embedding is called once per tower, on two streams: it runs inline
-    assert "embed" not in streams
-    assert any(note.startswith("embed runs inline") for note in learned.notes)
+    # The projections and the embedding (under 3 µs each) would not outlast a fork/join.
+    assert not {"query_proj", "doc_proj", "embed"} & set(streams)
+    assert all(s.device_us > H200.fork_join_us * s.calls for s in learned.stages)
     assert learned.count_edges(streams).chain_splits == 0
+    # With a near-free fork the projections keep their tower's stream, and the shared
+    # embedding, called once per tower on two streams, runs inline.
+    model, inputs = CASES["two_tower"]
+    torch.manual_seed(0)
+    tiny = dataclasses.replace(H200, fork_join_us=1e-6)
+    free = learn_plan(model(), inputs(), streams=4, gpu=tiny)
+    streams = free.stage_streams
+    assert streams.get("query_proj") == streams.get("query_tower")
+    assert streams.get("doc_proj") == streams.get("doc_tower")
+    assert "embed" not in streams
+    assert any(note.startswith("embed runs inline") for note in free.notes)
+    assert free.count_edges(streams).chain_splits == 0
 
 
 def test_moe_finds_shared_against_routed_and_the_experts_apart() -> None:
@@ -188,13 +199,18 @@ def test_the_table_labels_estimates_with_the_reference_gpu(
     assert learned.fork_join_us == H200.fork_join_us * len(learned.stages)
 
 
-def test_the_table_header_counts_in_the_singular_and_plural() -> None:
+def test_the_table_header_counts_in_the_singular_and_plural(
+    inception: tuple[nn.Module, LearnedPlan],
+) -> None:
     # Regression: two towers, one leaving the caller's stream, printed "1 regions".
     _, learned = learned_case("two_tower")
     header = str(learned).splitlines()[0]
-    assert header.endswith(f"2 stages in 1 region on 1 side stream (max {learned.max_streams})"), (
+    assert header.endswith(f"1 stage in 1 region on 1 side stream (max {learned.max_streams})"), (
         header
     )
+    _, learned = inception
+    header = str(learned).splitlines()[0]
+    assert header.endswith(f"12 stages in 3 regions on 3 side streams (max {learned.max_streams})")
 
 
 class InceptionTowers(nn.Module):
