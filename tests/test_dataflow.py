@@ -382,8 +382,13 @@ def test_inner_regions_of_concurrent_towers_get_disjoint_streams(streams: int) -
     inner = {
         r.name: {b.stream for b in r.branches} for r in learned.regions if ".blocks." in r.name
     }
-    if streams == 8:  # enough for both: every q/k/v region uses three streams
-        assert len(inner) == 4 and all(len(used) == 3 for used in inner.values()), inner
+    # Streams the q/k/v regions of each tower use (its own included), by streams given:
+    # 8 is enough for both; with fewer, the text tower (the heavier) is served first, and
+    # with 2 the only stream the image tower could share is busy with the text tower's.
+    expected = {8: (3, 3), 4: (2, 3), 2: (0, 2)}[streams]
+    for tower, width in zip(("vision.", "text."), expected, strict=True):
+        mine = [used for name, used in inner.items() if name.startswith(tower)]
+        assert [len(used) for used in mine] == ([width] * 2 if width else []), inner
     image = set().union(*(used for name, used in inner.items() if name.startswith("vision")))
     text = set().union(*(used for name, used in inner.items() if name.startswith("text")))
     assert not image & text, (image, text)
