@@ -11,8 +11,9 @@ children split into *branches*, the connected groups of mutually dependent child
 branch is decomposed again the same way. What cannot be decomposed (a tangle such as
 ``a->c, a->d, b->d``) is kept whole as a chain, in program order: chains are never split.
 
-Whether a group of branches is a parallel *region* is decided by :func:`choose`; the rule
-and its numbers are in its docstring.
+Whether a group of branches is a parallel *region*, and which stages a call on a side
+stream runs as, is decided by :class:`RegionRule`; the rule and its numbers are in its
+docstrings.
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ from functools import cached_property
 from ._cost import ReferenceGPU
 from ._observe import CallRecord, OpRecord
 
-__all__ = ["CallDag", "Parallel", "RegionChoice", "Series", "call_dag", "choose"]
+__all__ = [
+    "CallDag",
+    "Parallel",
+    "RegionChoice",
+    "RegionRule",
+    "Series",
+    "call_dag",
+    "choose",
+    "parallels",
+]
 
 
 @dataclass(frozen=True)
@@ -219,37 +229,122 @@ class RegionChoice:
     leaving: tuple[int, ...]
 
 
-def choose(parallel: Parallel, gpu: ReferenceGPU) -> RegionChoice | None:
-    """Decide whether ``parallel`` is a region worth running on several streams.
+class RegionRule:
+    """Which groups of branches are regions, and which stages a call runs as.
 
-    The rule: a branch may leave the caller's stream only if its estimated device time is
-    larger than what leaving costs the host, ``gpu.fork_join_us`` per stage call it would
-    make (one per child call in the branch that launches a kernel); a cheaper branch would
-    finish before the host is done forking and joining it, so it could not overlap
-    anything. The heaviest branch always stays on the caller's stream. The group is a
-    region when at least one other branch is worth leaving. With the default
-    :data:`ooo_wrap._cost.H200` reference GPU, ``fork_join_us`` is 10 µs (a typical eager
-    figure, not a measurement), so a one-call branch must be estimated above 10 µs of
-    device time, a three-call branch above 30 µs.
+    One instance per learning: every answer is cached by ``call_id`` (DAGs, their
+    decompositions, stages), so the walk that places streams asks the same rule the region
+    test used. Numbers are estimates on ``gpu``; ``fork_join_us`` is what a stage call costs
+    the host.
 
-    Returns:
-        The :class:`RegionChoice`, or ``None`` when the branches stay on one stream.
+    **A stage outlasts its fork/join.** A call on a side stream runs as the stages of
+    :meth:`side_stages`: if a region inside it would be used and every link it would be
+    split into (its kernel-launching child calls, recursively) is itself worth a stage, it
+    is split into those links; otherwise it is one stage, its cheap links merged with their
+    neighbours inside it, as long as it costs more than a fork/join; cheaper still, it is
+    no stage at all and runs inline on the caller's stream. So no stage is estimated below
+    its own fork/join, and a region inside a call is given up where using it would take a
+    stage cheaper than that.
     """
-    costs = [branch.device_us for branch in parallel.branches]
-    if len(costs) < 2:
-        return None
-    heaviest = max(range(len(costs)), key=lambda i: costs[i])
-    leaving = [
-        i
-        for i, branch in enumerate(parallel.branches)
-        if i != heaviest and costs[i] > gpu.fork_join_us * _stage_calls(branch)
-    ]
-    if not leaving:
-        return None
-    leaving.sort(key=lambda i: -costs[i])
-    return RegionChoice(heaviest, tuple(leaving))
+
+    def __init__(self, gpu: ReferenceGPU) -> None:
+        self.gpu = gpu
+        self._dags: dict[int, CallDag] = {}
+        self._series: dict[int, Series] = {}
+        self._region: dict[int, bool] = {}
+        self._split: dict[int, bool] = {}
+        self._stages: dict[int, tuple[CallRecord, ...]] = {}
+
+    def dag(self, call: CallRecord) -> CallDag:
+        """The (cached) child DAG of ``call``."""
+        if call.call_id not in self._dags:
+            self._dags[call.call_id] = call_dag(call)
+        return self._dags[call.call_id]
+
+    def series(self, call: CallRecord) -> Series:
+        """The (cached) decomposition of ``call``'s child DAG."""
+        if call.call_id not in self._series:
+            self._series[call.call_id] = self.dag(call).series()
+        return self._series[call.call_id]
+
+    def has_region(self, call: CallRecord) -> bool:
+        """Whether a region exists anywhere inside ``call`` (streams aside)."""
+        if call.call_id not in self._region:
+            here = any(self.choose(p) for p in parallels(self.series(call)))
+            self._region[call.call_id] = here or any(self.has_region(c) for c in call.children)
+        return self._region[call.call_id]
+
+    def splits(self, call: CallRecord) -> bool:
+        """Whether ``call``, on a side stream, runs as its links rather than as one stage."""
+        if call.call_id not in self._split:
+            # Split only for a region that will be used: links without one add forks only.
+            used = any(self.choose(p) for p in parallels(self.series(call))) or any(
+                self.splits(c) for c in call.children
+            )
+            self._split[call.call_id] = used and all(
+                self.side_stages(c) for c in call.children if c.device_us > 0
+            )
+        return self._split[call.call_id]
+
+    def side_stages(self, call: CallRecord) -> tuple[CallRecord, ...]:
+        """The stage calls ``call`` runs as on a side stream (none: it runs inline)."""
+        if call.call_id not in self._stages:
+            if self.splits(call):
+                found = tuple(s for c in call.children for s in self.side_stages(c))
+            elif call.device_us > self.gpu.fork_join_us:
+                found = (call,)
+            else:  # a fork would outlast it (a call that launches no kernel included)
+                found = ()
+            self._stages[call.call_id] = found
+        return self._stages[call.call_id]
+
+    def choose(self, parallel: Parallel) -> RegionChoice | None:
+        """Decide whether ``parallel`` is a region worth running on several streams.
+
+        The rule: a branch may leave the caller's stream only if the device time of the
+        stages it would run as (:meth:`side_stages` of its calls, every link of a split
+        call counted) is larger than what leaving costs the host, ``gpu.fork_join_us`` per
+        stage; a cheaper branch would finish before the host is done forking and joining
+        it, so it could not overlap anything. The heaviest branch always stays on the
+        caller's stream. The group is a region when at least one other branch is worth
+        leaving. With the default :data:`ooo_wrap._cost.H200` reference GPU,
+        ``fork_join_us`` is 10 µs (a typical eager figure, not a measurement), so every
+        stage of a leaving branch is estimated above 10 µs of device time.
+
+        Returns:
+            The :class:`RegionChoice`, or ``None`` when the branches stay on one stream.
+        """
+        costs = [branch.device_us for branch in parallel.branches]
+        if len(costs) < 2:
+            return None
+        heaviest = max(range(len(costs)), key=lambda i: costs[i])
+        leaving = [
+            i
+            for i, branch in enumerate(parallel.branches)
+            if i != heaviest and self._worth_leaving(branch)
+        ]
+        if not leaving:
+            return None
+        leaving.sort(key=lambda i: -costs[i])
+        return RegionChoice(heaviest, tuple(leaving))
+
+    def _worth_leaving(self, branch: Series) -> bool:
+        stages = [stage for call in branch.calls() for stage in self.side_stages(call)]
+        moved = sum(stage.device_us for stage in stages)
+        return bool(stages) and moved > self.gpu.fork_join_us * len(stages)
 
 
-def _stage_calls(branch: Series) -> int:
-    """The stage calls a branch makes on a side stream: its calls that launch a kernel."""
-    return sum(1 for call in branch.calls() if call.device_us > 0)
+def parallels(series: Series) -> list[Parallel]:
+    """The groups of branches in ``series``, those nested in its branches included."""
+    found: list[Parallel] = []
+    for part in series.parts:
+        if isinstance(part, Parallel):
+            found.append(part)
+            for branch in part.branches:
+                found += parallels(branch)
+    return found
+
+
+def choose(parallel: Parallel, gpu: ReferenceGPU) -> RegionChoice | None:
+    """:meth:`RegionRule.choose` for one group of branches (the rule is documented there)."""
+    return RegionRule(gpu).choose(parallel)

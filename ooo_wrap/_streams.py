@@ -3,15 +3,22 @@
 Two assigners, both pure functions of an observed :class:`~ooo_wrap._observe.CallRecord`:
 
 * :func:`assign_regions` walks the call tree from the root. Every call is decomposed into
-  chains and branches (``_regions``); a group of branches that :func:`~ooo_wrap._regions.choose`
-  accepts is a region. Its heaviest branch stays on the caller's stream, the others get
-  distinct side streams while there are free ones (streams already busy with a concurrent
-  branch of an enclosing region are avoided), and when there are more branches than
-  streams, each next-heaviest branch goes to the least-loaded stream (greedy LPT). Stages
-  are the child calls of a branch on a side stream (those that launch a kernel); every link
-  of a branch's chain gets that branch's stream. A branch that contains a region deeper
-  down is not one stage (stages cannot nest): its links become stages on its stream and
-  the inner region is split again.
+  chains and branches (``_regions``); a group of branches that
+  :meth:`~ooo_wrap._regions.RegionRule.choose` accepts is a region. Its heaviest branch
+  stays on the caller's stream, the others get distinct side streams while there are
+  free ones, and when there are more branches than streams, each next-heaviest branch
+  goes to the least-loaded stream (greedy LPT). Stages are the child calls of a branch on
+  a side stream, as :meth:`~ooo_wrap._regions.RegionRule.side_stages` decides: every link
+  of a branch's chain gets that branch's stream, a link that a fork/join would outlast
+  runs inline, and a call with a region inside is split into its links (stages cannot
+  nest) only if each of them is worth a stage, else it is one stage.
+  Concurrent branches run at once, so the regions inside them get disjoint streams: the
+  side streams no branch of the region runs on are shared out among the branches (those
+  on one stream run one after the other and share theirs), each as many as its inner
+  regions use at once, the next one to the heaviest work per stream when there are too
+  few. A branch left with none places its inner regions by least estimated load, the
+  concurrent branches' work counted, so they share a stream only where that is lighter
+  than staying on the branch's own.
   Outside regions nothing is a stage.
 * :func:`assign_named` keeps stages the user named and only picks their streams: in program
   order each stage call continues the stream of its first producer stage whose stream no
@@ -23,12 +30,12 @@ Streams are side-stream indices ``0..streams-1``; ``None`` is the caller's strea
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from ._cost import ReferenceGPU
 from ._observe import CallRecord
-from ._regions import CallDag, Parallel, Series, call_dag, choose
+from ._regions import Parallel, RegionRule, Series
 
 __all__ = [
     "BranchPlacement",
@@ -83,63 +90,54 @@ class RegionWalk:
     lanes: dict[int, Lane | None] = field(default_factory=dict)  # call_id -> innermost branch
     regions: list[RegionPlacement] = field(default_factory=list)
     forward_us: float = 0.0  # estimated critical path of the forward under this plan
-    _dags: dict[int, CallDag] = field(default_factory=dict)
-    _deep: dict[int, bool] = field(default_factory=dict)
+    rule: RegionRule = field(init=False)
+    _wants: dict[tuple[int, bool], int] = field(default_factory=dict)
 
-    def dag(self, call: CallRecord) -> CallDag:
-        """The (cached) child DAG of ``call``."""
-        if call.call_id not in self._dags:
-            self._dags[call.call_id] = call_dag(call)
-        return self._dags[call.call_id]
-
-    def has_region(self, call: CallRecord) -> bool:
-        """Whether a region exists anywhere inside ``call`` (streams aside)."""
-        if call.call_id not in self._deep:
-            parts = list(self._parallels(self.dag(call).series()))
-            self._deep[call.call_id] = any(choose(p, self.gpu) for p in parts) or any(
-                self.has_region(child) for child in call.children
-            )
-        return self._deep[call.call_id]
-
-    def _parallels(self, series: Series) -> list[Parallel]:
-        found: list[Parallel] = []
-        for part in series.parts:
-            if isinstance(part, Parallel):
-                found.append(part)
-                for branch in part.branches:
-                    found += self._parallels(branch)
-        return found
+    def __post_init__(self) -> None:
+        self.rule = RegionRule(self.gpu)
 
     def call(
-        self, call: CallRecord, home: int | None, avoid: frozenset[int], lane: Lane | None
+        self,
+        call: CallRecord,
+        home: int | None,
+        own: tuple[int, ...],
+        busy: Mapping[int, float],
+        lane: Lane | None,
     ) -> float:
-        """Place ``call``'s insides with ``home`` as its stream; return its estimated time."""
+        """Place ``call``'s insides with ``home`` as its stream; return its estimated time.
+
+        ``own``: the side streams its regions may take, no concurrent branch using them;
+        ``busy``: estimated µs of concurrent work on the other streams (for when ``own``
+        runs out).
+        """
         self.lanes[call.call_id] = lane
-        if not self.has_region(call):
+        if not self.rule.has_region(call):
             return call.device_us
-        dag = self.dag(call)
-        return dag.own_us + self._series(call, dag.series(), home, avoid, lane, [0])
+        series = self.rule.series(call)
+        own_us = self.rule.dag(call).own_us
+        return own_us + self._series(call, series, home, own, busy, lane, [0])
 
     def _series(
         self,
         call: CallRecord,
         series: Series,
         home: int | None,
-        avoid: frozenset[int],
+        own: tuple[int, ...],
+        busy: Mapping[int, float],
         lane: Lane | None,
         counter: list[int],
     ) -> float:
         total = 0.0
         for part in series.parts:
             if isinstance(part, Parallel):
-                total += self._parallel(call, part, home, avoid, lane, counter)
-            elif home is not None and not self.has_region(part):
-                if part.device_us > 0:  # a call that launches no kernel is not worth a fork
-                    self.stage_stream[part.call_id] = home  # a link on its branch's stream
+                total += self._parallel(call, part, home, own, busy, lane, counter)
+            elif home is None or self.rule.splits(part):
+                total += self.call(part, home, own, busy, lane)
+            else:  # a link on its branch's stream: one stage, or inline if a fork outlasts it
+                if self.rule.side_stages(part):
+                    self.stage_stream[part.call_id] = home
                 self.lanes[part.call_id] = lane
                 total += part.device_us
-            else:
-                total += self.call(part, home, avoid, lane)
         return total
 
     def _parallel(
@@ -147,32 +145,34 @@ class RegionWalk:
         call: CallRecord,
         parallel: Parallel,
         home: int | None,
-        avoid: frozenset[int],
+        own: tuple[int, ...],
+        busy: Mapping[int, float],
         lane: Lane | None,
         counter: list[int],
     ) -> float:
-        choice = choose(parallel, self.gpu)
+        choice = self.rule.choose(parallel)
         branches = parallel.branches
         if choice is None:  # not worth splitting: one chain on ``home``
-            return sum(self._series(call, b, home, avoid, lane, counter) for b in branches)
+            return sum(self._series(call, b, home, own, busy, lane, counter) for b in branches)
         number, counter[0] = counter[0], counter[0] + 1
-        free = [s for s in range(self.streams) if s != home and s not in avoid]
-        pool = free or [s for s in range(self.streams) if s != home]
+        # Streams of its own while there are any; else every stream is taken by concurrent
+        # work: the least loaded by estimated cost, if lighter than staying on ``home``.
+        pool = list(own) or [s for s in range(self.streams) if s != home]
+        load: dict[int | None, float] = {s: 0.0 if own else busy.get(s, 0.0) for s in pool}
         place: list[int | None] = [home] * len(branches)
-        load: dict[int | None, float] = {s: 0.0 for s in pool}
         load[home] = sum(b.device_us for i, b in enumerate(branches) if i not in choice.leaving)
         for index in choice.leaving:  # heaviest first; ties go to the earliest side stream
             target = min([*pool, home], key=lambda s: load[s])
             place[index] = target
             load[target] += branches[index].device_us
-        if all(s == home for s in place):  # no stream to leave for (``streams`` is 1)
+        if all(s == home for s in place):  # no stream worth leaving for
             counter[0] -= 1
-            return sum(self._series(call, b, home, avoid, lane, counter) for b in branches)
+            return sum(self._series(call, b, home, own, busy, lane, counter) for b in branches)
         self.regions.append(
             RegionPlacement(
                 call=call.name,
                 section=number,
-                width=self.dag(call).width(),
+                width=self.rule.dag(call).width(),
                 branches=tuple(
                     BranchPlacement(
                         tuple(c.name for c in b.calls()),
@@ -183,21 +183,79 @@ class RegionWalk:
                 ),
             )
         )
-        used = frozenset(s for s in place if s is not None)
+        shares = self._share(branches, place, own)
         times: dict[int | None, float] = {}
         for index, branch in enumerate(branches):
             target = place[index]
-            inner_avoid = avoid | (used - {target} if target is not None else used)
+            inner_busy = dict(busy)
+            for other, (cost, streams) in shares.items():
+                if other == target:
+                    continue
+                for stream in (other, *streams):  # its work spread over its streams
+                    if stream is not None:
+                        inner_busy[stream] = inner_busy.get(stream, 0.0) + cost / (len(streams) + 1)
             branch_lane = (call.call_id, number, index)
-            spent = self._series(call, branch, target, inner_avoid, branch_lane, counter)
+            inner_own = shares[target][1]
+            spent = self._series(call, branch, target, inner_own, inner_busy, branch_lane, counter)
             times[target] = times.get(target, 0.0) + spent
         return max(times.values())
+
+    def _share(
+        self, branches: tuple[Series, ...], place: list[int | None], own: tuple[int, ...]
+    ) -> dict[int | None, tuple[float, tuple[int, ...]]]:
+        """Split the streams of ``own`` no branch runs on among the branches' streams.
+
+        Branches on one stream run one after the other there, so they share what it gets;
+        branches on different streams run at once, so their inner regions get disjoint
+        streams, each as many as its regions use at once. When there are fewer than asked
+        for, each next stream goes to the heaviest work per stream it would have. Returns,
+        per stream of a branch, the estimated µs of its branches and the streams it got.
+        """
+        groups: dict[int | None, list[int]] = {}
+        for index, target in enumerate(place):
+            groups.setdefault(target, []).append(index)
+        cost = {t: sum(branches[i].device_us for i in group) for t, group in groups.items()}
+        want = {
+            t: max(self._want(branches[i], t is not None) for i in group)
+            for t, group in groups.items()
+        }
+        given: dict[int | None, list[int]] = {t: [] for t in groups}
+        for stream in (s for s in own if s not in groups):
+            hungry = [t for t in groups if len(given[t]) < want[t]]
+            if not hungry:
+                break
+            neediest = max(hungry, key=lambda t: cost[t] / (len(given[t]) + 1))
+            given[neediest].append(stream)
+        return {t: (cost[t], tuple(given[t])) for t in groups}
+
+    def _want(self, series: Series, side: bool) -> int:
+        """The most side streams the regions inside ``series`` use at once, besides the
+        stream ``series`` runs on (``side``: a side stream, where calls split or not)."""
+        most = 0
+        for part in series.parts:
+            if isinstance(part, Parallel):
+                choice = self.rule.choose(part)
+                if choice is None:
+                    wanted = max(self._want(b, side) for b in part.branches)
+                else:  # the leaving branches run at once with the staying ones
+                    staying = [b for i, b in enumerate(part.branches) if i not in choice.leaving]
+                    wanted = max(self._want(b, side) for b in staying) + sum(
+                        1 + self._want(part.branches[i], True) for i in choice.leaving
+                    )
+            else:
+                key = (part.call_id, side)
+                if key not in self._wants:
+                    inside = self.rule.splits(part) if side else self.rule.has_region(part)
+                    self._wants[key] = self._want(self.rule.series(part), side) if inside else 0
+                wanted = self._wants[key]
+            most = max(most, wanted)
+        return most
 
 
 def assign_regions(root: CallRecord, streams: int, gpu: ReferenceGPU) -> RegionWalk:
     """Find every region under ``root`` and give each stage call a side stream."""
     walk = RegionWalk(streams, gpu)
-    walk.forward_us = walk.call(root, None, frozenset(), None)
+    walk.forward_us = walk.call(root, None, tuple(range(streams)), {}, None)
     return walk
 
 

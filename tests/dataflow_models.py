@@ -211,3 +211,65 @@ class SharedStats(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.a(x) + self.b(x) + self.c(x)
+
+
+class ClipBlock(nn.Module):
+    """A pre-norm transformer block with separate q/k/v projections: an inner region of
+    three projections between two cheap layer norms."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.out_proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (
+            p(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        y = nn.functional.scaled_dot_product_attention(q, k, v)
+        x = x + self.out_proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class ClipTower(nn.Module):
+    def __init__(self, dim: int, depth: int, heads: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(ClipBlock(dim, heads) for _ in range(depth)))
+        self.ln_post = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_post(self.blocks(x))
+
+
+class Clip(nn.Module):
+    """CLIP-style dual encoder: an image tower and a text tower, each a chain of blocks
+    whose q/k/v projections form an inner region, projected into one embedding space."""
+
+    def __init__(
+        self, dim: int = 768, depth: int = 4, heads: int = 12, vocab: int = 1000, patch: int = 16
+    ) -> None:
+        super().__init__()
+        self.patch_embed = nn.Linear(3 * patch * patch, dim)
+        self.vision = ClipTower(dim, depth, heads)
+        self.visual_projection = nn.Linear(dim, 512, bias=False)
+        self.token_embed = nn.Embedding(vocab, dim)
+        self.text = ClipTower(dim, depth, heads)
+        self.text_projection = nn.Linear(dim, 512, bias=False)
+
+    def forward(self, patches: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        image = self.visual_projection(self.vision(self.patch_embed(patches))[:, 0])
+        text = self.text_projection(self.text(self.token_embed(tokens))[:, -1])
+        return image @ text.T
+
+
+def clip_inputs(device: str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
+    """32 images of 7x7 patches (plus one class token's worth) and 32 texts of 77 tokens."""
+    patches = torch.empty(32, 50, 3 * 16 * 16, device=device)
+    return patches, torch.zeros(32, 77, dtype=torch.long, device=device)

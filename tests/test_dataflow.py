@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import ooo_wrap
 from ooo_wrap import _learn
 from ooo_wrap._cost import H200
 from ooo_wrap._dataflow import LearnedPlan, learn, learn_plan
@@ -117,17 +118,28 @@ def test_chains_have_no_parallelism_and_name_their_longest_chain(
     assert learned.to_plan(model).stages == ()
 
 
-def test_two_towers_get_different_streams_and_keep_their_projections() -> None:
+def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     _, learned = learned_case("two_tower")
     streams = learned.stage_streams
     query = streams.get("query_tower")
     doc = streams.get("doc_tower")
     assert query != doc  # one may stay on the caller's stream (None)
-    assert streams.get("query_proj") == query and streams.get("doc_proj") == doc
-    # the shared embedding is called once per tower, on two streams: it runs inline
-    assert "embed" not in streams
-    assert any(note.startswith("embed runs inline") for note in learned.notes)
+    # The projections and the embedding (under 3 µs each) would not outlast a fork/join.
+    assert not {"query_proj", "doc_proj", "embed"} & set(streams)
+    assert all(s.device_us > H200.fork_join_us * s.calls for s in learned.stages)
     assert learned.count_edges(streams).chain_splits == 0
+    # With a near-free fork the projections keep their tower's stream, and the shared
+    # embedding, called once per tower on two streams, runs inline.
+    model, inputs = CASES["two_tower"]
+    torch.manual_seed(0)
+    tiny = dataclasses.replace(H200, fork_join_us=1e-6)
+    free = learn_plan(model(), inputs(), streams=4, gpu=tiny)
+    streams = free.stage_streams
+    assert streams.get("query_proj") == streams.get("query_tower")
+    assert streams.get("doc_proj") == streams.get("doc_tower")
+    assert "embed" not in streams
+    assert any(note.startswith("embed runs inline") for note in free.notes)
+    assert free.count_edges(streams).chain_splits == 0
 
 
 def test_moe_finds_shared_against_routed_and_the_experts_apart() -> None:
@@ -187,13 +199,18 @@ def test_the_table_labels_estimates_with_the_reference_gpu(
     assert learned.fork_join_us == H200.fork_join_us * len(learned.stages)
 
 
-def test_the_table_header_counts_in_the_singular_and_plural() -> None:
+def test_the_table_header_counts_in_the_singular_and_plural(
+    inception: tuple[nn.Module, LearnedPlan],
+) -> None:
     # Regression: two towers, one leaving the caller's stream, printed "1 regions".
     _, learned = learned_case("two_tower")
     header = str(learned).splitlines()[0]
-    assert header.endswith(f"2 stages in 1 region on 1 side stream (max {learned.max_streams})"), (
+    assert header.endswith(f"1 stage in 1 region on 1 side stream (max {learned.max_streams})"), (
         header
     )
+    _, learned = inception
+    header = str(learned).splitlines()[0]
+    assert header.endswith(f"12 stages in 3 regions on 3 side streams (max {learned.max_streams})")
 
 
 class InceptionTowers(nn.Module):
@@ -314,3 +331,65 @@ def test_a_named_stage_not_called_in_the_forward_is_kept() -> None:
     assert list(learned.stage_streams) == names
     assert learned.notes == ("unused was not called in the observed forward: any stream will do",)
     assert [s.name for s in learned.to_plan(model, "argument").stages] == names
+
+
+def clip_tower_of(stage: str) -> str:
+    """Which tower of :class:`models.Clip` a stage belongs to (its embedding and projection
+    included)."""
+    top = stage.split(".")[0]
+    return "image" if top in {"patch_embed", "vision", "visual_projection"} else "text"
+
+
+def towers_per_side_stream(streams: dict[str, int]) -> dict[int, set[str]]:
+    towers: dict[int, set[str]] = {}
+    for name, stream in streams.items():
+        towers.setdefault(stream, set()).add(clip_tower_of(name))
+    return towers
+
+
+def test_clip_towers_share_no_side_stream_and_no_stage_costs_less_than_its_fork_join() -> None:
+    # Regression: the image tower (on a side stream) was split into one stage per block link,
+    # layer norms of 4 µs among them, and both towers' k_proj and v_proj shared two streams.
+    torch.manual_seed(0)
+    model = models.Clip().to("meta")
+    the_plan = ooo_wrap.plan(model, streams=4, example_inputs=models.clip_inputs())
+    learned = the_plan.learned
+    assert learned is not None and learned.outcome == "parallel"
+    streams = {stage.name: stage.stream for stage in the_plan.stages}
+    assert streams == learned.stage_streams
+    towers = towers_per_side_stream(streams)
+    assert all(len(mine) == 1 for mine in towers.values()), towers
+    assert set().union(*towers.values()) == {"image", "text"}
+    for stage in learned.stages:  # every call of every stage outlasts its fork/join
+        assert stage.device_us > stage.calls * H200.fork_join_us, stage
+    assert learned.fork_join_us == H200.fork_join_us * sum(s.calls for s in learned.stages)
+    # The text tower stays on the caller's stream, its q/k/v regions still overlap.
+    text_regions = [r for r in learned.regions if r.name.startswith("text.blocks.")]
+    assert len(text_regions) == 4
+    assert all(len({b.stream for b in r.branches}) == 3 for r in text_regions)
+
+
+@pytest.mark.parametrize("streams", [2, 4, 8])
+def test_inner_regions_of_concurrent_towers_get_disjoint_streams(streams: int) -> None:
+    """With a near-free fork every tower splits into its links: the q/k/v regions of the two
+    towers run at once and must not queue on each other's streams."""
+    torch.manual_seed(0)
+    model = models.Clip(depth=2).to("meta")
+    tiny = dataclasses.replace(H200, fork_join_us=1e-6)
+    learned = learn_plan(model, models.clip_inputs(), streams=streams, gpu=tiny)
+    towers = towers_per_side_stream(learned.stage_streams)
+    assert all(len(mine) == 1 for mine in towers.values()), towers
+    inner = {
+        r.name: {b.stream for b in r.branches} for r in learned.regions if ".blocks." in r.name
+    }
+    # Streams the q/k/v regions of each tower use (its own included), by streams given:
+    # 8 is enough for both; with fewer, the text tower (the heavier) is served first, and
+    # with 2 the only stream the image tower could share is busy with the text tower's.
+    expected = {8: (3, 3), 4: (2, 3), 2: (0, 2)}[streams]
+    for tower, width in zip(("vision.", "text."), expected, strict=True):
+        mine = [used for name, used in inner.items() if name.startswith(tower)]
+        assert [len(used) for used in mine] == ([width] * 2 if width else []), inner
+    image = set().union(*(used for name, used in inner.items() if name.startswith("vision")))
+    text = set().union(*(used for name, used in inner.items() if name.startswith("text")))
+    assert not image & text, (image, text)
+    assert learned.count_edges(learned.stage_streams).chain_splits == 0

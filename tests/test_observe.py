@@ -212,3 +212,50 @@ def test_ops_updating_running_statistics_write_them(
     (op,) = [op for op in record.ops() if "batch_norm" in op.name]
     stats = {t.untyped_storage()._cdata for t in (norm.running_mean, norm.running_var)}
     assert (stats <= set(op.writes), stats <= set(op.reads)) == (writes, not writes)
+
+
+def linears(n: int) -> nn.Sequential:
+    return nn.Sequential(*(nn.Linear(4, 4) for _ in range(n)))
+
+
+class Between(nn.Module):
+    """An inner region (``a`` against ``b``) between two links ``pre`` and ``post``."""
+
+    def __init__(self, ends: int) -> None:
+        super().__init__()
+        self.pre, self.a, self.b, self.post = linears(ends), linears(4), linears(4), linears(ends)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pre(x)
+        return self.post(self.a(x) + self.b(x))
+
+
+class PricedFork(nn.Module):
+    """A long branch against ``side`` (a region inside) followed by a one-kernel ``tail``."""
+
+    def __init__(self, ends: int) -> None:
+        super().__init__()
+        self.long, self.side, self.tail = linears(24), Between(ends), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.long(x) + self.tail(self.side(x))
+
+
+@pytest.mark.parametrize(
+    ("ends", "stages"),
+    [
+        (1, {"side"}),  # pre and post (1 µs) cannot pay a fork: side runs whole
+        (3, {"side.pre", "side.a", "side.b", "side.post"}),  # every link pays: split
+    ],
+)
+def test_a_branch_is_priced_as_the_stages_it_runs_as(ends: int, stages: set[str]) -> None:
+    # Regression: side was priced as one stage call, then run as one stage per link,
+    # pre and post (1 µs) among them; tail (1 µs) was a stage of its own too.
+    record = observe(PricedFork(ends), (torch.randn(2, 4),), op_cost=one_us)
+    gpu = dataclasses.replace(H200, fork_join_us=2.0)
+    learned = learn(record, 4, gpu=gpu)
+    assert set(learned.stage_streams) == stages
+    for stage in learned.stages:
+        assert stage.device_us > stage.calls * gpu.fork_join_us, stage
+    side = learned.stage_streams.get("side", learned.stage_streams.get("side.pre"))
+    assert side is not None and learned.stage_streams.get("side.post", side) == side
