@@ -1,7 +1,7 @@
 """Turn benchmark records into a markdown report, a JSON file and a speedup plot.
 
-The targets are the ones README states; they are reported against, met or not, and
-never used to choose what is measured.
+The targets are the ones docs/tuning-and-performance.md states; they are reported against,
+met or not, and never used to choose what is measured.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ CPU_ONLY_MESSAGE = (
     "measured below."
 )
 
-# The project's GPU targets (steady state), as README lists them. Reported, never tuned for.
+# The project's GPU targets (steady state), as docs/tuning-and-performance.md lists them.
+# Reported, never tuned for.
 TOWERS_TARGET_SIZE = {"towers": 8, "width": 2048, "depth": 4}
 TOWERS_TARGET_BATCH = 16
 TOWERS_TARGET_SPEEDUP = 1.3

@@ -1,7 +1,7 @@
 """The one place ooo_wrap relies on private PyTorch names or on APIs newer than torch 2.6.
 
 Every torch API the library uses is in torch 2.6 (the declared minimum) except the ones
-guarded here; README "Measuring on a GPU" lists each API with the version that added it.
+guarded here; docs/torch-versions.md lists each API with the version that added it.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ export PYTHONUNBUFFERED=1
 COMMIT="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || true)"
 export OOO_WRAP_COMMIT="${COMMIT:-${OOO_WRAP_COMMIT:-unknown}}"
 # Per step: the seconds it asks for (its limit, within the time left) and the least it
-# needs to start; README "Measuring on a GPU" estimates each from its sizes.
+# needs to start; docs/gpu-kit.md estimates each from its sizes.
 if ((QUICK)); then
   MODE="quick" A_WANT=50 B_WANT=35 C_WANT=45
 else

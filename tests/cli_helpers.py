@@ -1,4 +1,4 @@
-"""Helpers shared by the command-line tests: run the CLI in-process, read the doc's commands."""
+"""Helpers shared by the command-line tests: run the CLI in-process, read the docs' commands."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from ooo_wrap._cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOC = ROOT / "README.md"
+# The documents whose ```console blocks show commands: README's quickstart and the CLI page.
+DOCS = (ROOT / "README.md", ROOT / "docs" / "cli.md")
 PROG = "python -m ooo_wrap"
 
 
@@ -38,13 +39,22 @@ class DocCommand:
 
 
 def doc_commands() -> list[DocCommand]:
-    """The ``$ python -m ooo_wrap ...`` commands of the doc's console blocks, in order."""
+    """The ``$ python -m ooo_wrap ...`` commands of the docs' console blocks, in order; a
+    command shown twice (with the same output) is listed once."""
     commands: list[DocCommand] = []
-    blocks = re.findall(r"^```console\n(.*?)^```", DOC.read_text(), re.MULTILINE | re.DOTALL)
+    blocks = [
+        block
+        for doc in DOCS
+        for block in re.findall(
+            r"^```console\n(.*?)^```", doc.read_text(), re.MULTILINE | re.DOTALL
+        )
+    ]
     for block in blocks:
         for chunk in re.split(r"^\$ ", block, flags=re.MULTILINE)[1:]:
             command, _, shown = chunk.partition("\n")
             words = shlex.split(command)
             assert words[:3] == ["python", "-m", "ooo_wrap"], command
-            commands.append(DocCommand(tuple(words[3:]), shown))
+            doc_command = DocCommand(tuple(words[3:]), shown)
+            if doc_command not in commands:
+                commands.append(doc_command)
     return commands

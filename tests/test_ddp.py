@@ -187,7 +187,8 @@ def test_wrapped_ddp_on_gpus_matches_plain_ddp() -> None:
     world_size = min(2, torch.cuda.device_count())
     ranks = run_ranks(_ddp_worker, "cuda", world_size=world_size, timeout=120, backend="nccl")
     # DDP made every gradient accumulator on the caller's stream, and it stays there (see
-    # README, DDP): torch releases with the mismatch warning give it, once per process.
+    # docs/integrations.md, DDP): torch releases with the mismatch warning give it, once per
+    # process.
     warns = hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch")
     assert [len(r["stream_mismatch_warnings"]) for r in ranks] == [int(warns)] * world_size
     for rank_results in ranks:

@@ -1,7 +1,9 @@
-"""Every ```python block under a "Using with ..." heading of the docs runs.
+"""Every ```python block under a "Using with ..." or "Quickstart" heading of the docs runs.
 
-A block counts when any heading above it (at its level or an outer one) starts with
-"Using with". Blocks that call ``init_process_group`` run as two gloo ranks in fresh
+The docs are README.md and every page in docs/. A block counts when any heading above it
+(at its level or an outer one) starts with "Using with" or "Quickstart": the whole of
+docs/integrations.md (titled "Using with the rest of PyTorch") and README's quickstart.
+Blocks that call ``init_process_group`` run as two gloo ranks in fresh
 processes with the environment torchrun sets; the others run in this process, each in a
 fresh namespace. Interactive examples (``>>>``) are written as ``pycon`` or ``text`` blocks,
 not ``python``, so they are not run.
@@ -21,14 +23,18 @@ import pytest
 import torch
 from _distributed import REPO_ROOT, free_port
 
-DOCS = [REPO_ROOT / "README.md"]
+README = REPO_ROOT / "README.md"
+DOCS = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
+# A ```python block under a heading starting with one of these runs.
+RUN_UNDER = ("Using with", "Quickstart")
 
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _FENCE = re.compile(r"^\s*```")
 
 
 def using_with_snippets(markdown: str) -> list[tuple[str, str]]:
-    """``(heading, code)`` of every ```python block under a heading starting "Using with"."""
+    """``(heading, code)`` of every ```python block under a heading starting with one of
+    :data:`RUN_UNDER`."""
     found: list[tuple[str, str]] = []
     headings: list[tuple[int, str]] = []  # the open headings, outermost first
     block: list[str] | None = None
@@ -36,7 +42,7 @@ def using_with_snippets(markdown: str) -> list[tuple[str, str]]:
     for line in markdown.splitlines():
         if block is not None:
             if _FENCE.match(line):
-                section = next((h for _, h in headings if h.startswith("Using with")), None)
+                section = next((h for _, h in headings if h.startswith(RUN_UNDER)), None)
                 if language == "python" and section is not None:
                     found.append((headings[-1][1], "\n".join(block) + "\n"))
                 block = None
@@ -189,12 +195,10 @@ def test_snippet_runs(code: str) -> None:
         torch.compiler.reset()
 
 
-def test_every_doc_has_using_with_snippets() -> None:
-    for path in DOCS:
-        headings = [heading for heading, _ in using_with_snippets(path.read_text())]
-        assert headings, f"no python snippets under 'Using with' headings in {path}"
-    readme = [h for h, _ in using_with_snippets(DOCS[0].read_text())]
-    assert readme == [
+def test_the_docs_run_their_snippets_where_they_say() -> None:
+    found = {path.name: [h for h, _ in using_with_snippets(path.read_text())] for path in DOCS}
+    assert found.pop("README.md") == ["See it work on a CPU"]
+    assert found.pop("integrations.md") == [
         "DDP",
         "FSDP2",
         "torch.compile",
@@ -208,6 +212,8 @@ def test_every_doc_has_using_with_snippets() -> None:
         "Accelerate",
         "Lightning",
     ]
+    # The other pages' python blocks are fragments (``model``, ``x`` stand for yours).
+    assert found and all(headings == [] for headings in found.values()), found
 
 
 def test_snippet_extraction_follows_headings() -> None:
@@ -232,16 +238,25 @@ def test_snippet_extraction_follows_headings() -> None:
             "```python",
             "c = 3",
             "```",
+            "## Quickstart",
+            "### On a CPU",
+            "```python",
+            "d = 4",
+            "```",
         ]
     )
-    assert using_with_snippets(markdown) == [("Using with X", "a = 1\n"), ("Details", "b = 2\n")]
+    assert using_with_snippets(markdown) == [
+        ("Using with X", "a = 1\n"),
+        ("Details", "b = 2\n"),
+        ("On a CPU", "d = 4\n"),
+    ]
 
 
 def test_only_the_trainer_snippets_need_the_integrations_extra() -> None:
     used = {name: _integrations_used(code) for name, code in _all_snippets()}
     needing = {name: modules for name, modules in used.items() if modules}
     assert needing == {
-        "README.md:Hugging Face Trainer": ["transformers"],
-        "README.md:Accelerate": ["accelerate"],
-        "README.md:Lightning": ["lightning"],
+        "integrations.md:Hugging Face Trainer": ["transformers"],
+        "integrations.md:Accelerate": ["accelerate"],
+        "integrations.md:Lightning": ["lightning"],
     }

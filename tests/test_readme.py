@@ -1,5 +1,6 @@
-"""The repository's own documents: set-up order, the main job's install, references that
-stay inside the repository, and one numbering of streams in the plan and the check report."""
+"""The repository's own documents: set-up order, the main job's install, a short README that
+links every docs/ page, links and anchors that resolve, references that stay inside the
+repository, and one numbering of streams in the plan and the check report."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ooo_wrap.testing import check
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+PAGES = sorted((ROOT / "docs").glob("*.md"))
 
 
 def _set_up_section() -> str:
@@ -49,7 +51,7 @@ _OUTSIDE = re.compile(
 
 def test_no_reference_to_documents_outside_the_repository() -> None:
     files = [ROOT / "README.md", ROOT / "CHANGELOG.md"]
-    for folder in ("ooo_wrap", "tests", "examples", "benchmarks", "scripts"):
+    for folder in ("ooo_wrap", "tests", "examples", "benchmarks", "scripts", "docs"):
         files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".sh", ".md")]
     found = [
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
@@ -58,6 +60,70 @@ def test_no_reference_to_documents_outside_the_repository() -> None:
         if _OUTSIDE.search(line)
     ]
     assert found == []
+
+
+def test_the_readme_is_short_and_links_every_docs_page() -> None:
+    assert len(README.splitlines()) <= 300
+    assert PAGES
+    for page in PAGES:
+        assert f"](docs/{page.name})" in README, page.name
+
+
+_FENCE = re.compile(r"^\s*```")
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(text: str) -> list[str]:
+    """The lines of a markdown text outside its fenced code blocks."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a markdown text's headings."""
+    found: set[str] = set()
+    for line in _prose(text):
+        heading = re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-")
+            number = 0
+            while (anchor := slug + (f"-{number}" if number else "")) in found:
+                number += 1
+            found.add(anchor)
+    return found
+
+
+def test_the_slugs_follow_github() -> None:
+    assert _anchors("# Forward overlap (`overlap_forward=True`)\n## A\n## A") == {
+        "forward-overlap-overlap_forwardtrue",
+        "a",
+        "a-1",
+    }
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [ROOT / "README.md", *PAGES, ROOT / "benchmarks" / "results" / "NOTES.md"],
+    ids=lambda path: str(path.relative_to(ROOT)),
+)
+def test_every_link_inside_the_repository_resolves(doc: Path) -> None:
+    broken = []
+    for line in _prose(doc.read_text(encoding="utf-8")):
+        for target in _LINK.findall(line):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (doc.parent / path).resolve() if path else doc
+            if not linked.exists():
+                broken.append(f"{target}: no {linked}")
+            elif anchor and anchor not in _anchors(linked.read_text(encoding="utf-8")):
+                broken.append(f"{target}: no heading #{anchor} in {linked.name}")
+    assert broken == []
 
 
 class Three(nn.Module):

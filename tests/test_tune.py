@@ -421,15 +421,15 @@ def test_decide_needs_the_gain_to_beat_the_spread() -> None:
     assert decide((8.4, 8.5, 8.5, 8.5, 8.5, 8.6), plain, 6, final=False) == "plan"
 
 
-def test_the_readme_example_prints_what_it_shows() -> None:
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme.split("### Measured tuning", 1)[1]
+def test_the_docs_example_prints_what_it_shows() -> None:
+    page = (REPO_ROOT / "docs" / "tuning-and-performance.md").read_text()
+    section = page.split("\n## Measured tuning", 1)[1]
     (block,) = re.findall(r"```pycon\n(.*?)```", section.split("\n## ", 1)[0], re.S)
     test = doctest.DocTestParser().get_doctest(
         block,
         {"ooo_wrap": ooo_wrap, "two_towers": make_two_towers(), "x": two_tower_input()},
-        "README: Measured tuning",
-        "README.md",
+        "docs/tuning-and-performance.md: Measured tuning",
+        "docs/tuning-and-performance.md",
         0,
     )
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
