@@ -40,7 +40,7 @@ import functools
 import inspect
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, SupportsIndex
 
 import torch
@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _deferred
+from ._accumulators import Accumulators
 from ._backend import Backend, Stream
 from ._bypass import BYPASS_MESSAGES, eager_bypass_reason
 from ._compat import is_checkpoint_early_stop
@@ -100,6 +101,11 @@ class Scheduler:
         # counter read and bumped there would be guarded on, and recompile every call.
         self.ran_compiled = False
         self._compiled_reported = False
+        # Set by the wrapper: the accumulators to release when a forward runs on other
+        # streams than the one before (_accumulators.py), and whether a call will run as
+        # measured tuning's plain arm (set while a tuner runs).
+        self.accumulators: Accumulators | None = None
+        self.plain_arm: Callable[[RootCall, Any, Any], bool] | None = None
 
     def install(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
         """Register the hooks, appending each handle to ``handles`` as soon as it exists."""
@@ -148,7 +154,18 @@ class Scheduler:
         local = self._local
         if local.frames or local.calls:
             _drop_stale_calls(module)
-        local.calls.append(RootCall(self, module))
+        call = RootCall(self, module)
+        local.calls.append(call)
+        accumulators = self.accumulators
+        if accumulators is not None and call.bypass != "no_grad":
+            # Before any op of the forward: if it runs on other streams than the previous
+            # one, the accumulators that one made are released, so each parameter's is
+            # made where this forward first uses it.
+            plain_arm = self.plain_arm
+            inline = call.bypass is not None or (
+                plain_arm is not None and plain_arm(call, args, kwargs)
+            )
+            accumulators.begin(module, "inline" if inline else "planned")
 
     def _root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -157,6 +174,8 @@ class Scheduler:
         if not calls or calls[-1].module is not module:
             return  # our pre-hook did not run for this call (an earlier pre-hook raised)
         call = calls.pop()
+        if self.accumulators is not None:
+            self.accumulators.end(module)
         if self.overlap_forward:
             # 5. (deferred) The waits below cover every join this call left pending.
             _deferred.suspend()

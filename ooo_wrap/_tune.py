@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._backend import Mark, StepClock
 from ._events import EventKind, OOOEvent
-from ._inflight import thread_state
+from ._inflight import RootCall, thread_state
 from ._tensors import tensors_in
 
 if TYPE_CHECKING:
@@ -184,6 +184,8 @@ class Tuner:
 
     def remove(self) -> None:
         """Remove the tuner's hooks (and their handles from the wrap state)."""
+        if self._scheduler.plain_arm == self.plain_arm:
+            self._scheduler.plain_arm = None
         mine = {id(handle) for handle in self._handles}
         for handle in self._handles:
             handle.remove()
@@ -195,6 +197,15 @@ class Tuner:
         plan = tuple(s.ms for s in self._closed if s.arm == "plan" and s.ms is not None)
         plain = tuple(s.ms for s in self._closed if s.arm == "plain" and s.ms is not None)
         return Tuning(decision, plan, plain, self._clock.device_name)
+
+    def plain_arm(self, call: RootCall, args: Any, kwargs: Any) -> bool:
+        """Whether the pre-hook will run this root call as the plain arm (2), read by the
+        scheduler's root pre-hook before any op of the forward, with what the pre-hook
+        reads: a forward under a capture or with gradients off gets no arm."""
+        if call.bypass is not None or not torch.is_grad_enabled() or self._next_arm != "plain":
+            return False
+        shapes = [(t.shape, t.dtype) for t in tensors_in(args) + tensors_in(kwargs)]
+        return self._shapes is None or shapes == self._shapes
 
     # --- hooks ----------------------------------------------------------------------
 

@@ -9,17 +9,158 @@ caller's-stream accumulators to every later planned step.
 
 from __future__ import annotations
 
+import copy
 import gc
+import warnings
 import weakref
+from collections.abc import Iterator
 
+import pytest
 import torch
 from models import make_two_towers, two_tower_input
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from ooo_wrap.testing import check, detect
+import ooo_wrap
+from ooo_wrap.testing import DetectingBackend, Detection, check, detect
+from ooo_wrap.testing._simulated import VirtualStream
 
 STAGES = ["towers.0", "towers.1"]
+
+
+def _stage_streams(model: nn.Module, found: Detection) -> dict[str, list[VirtualStream]]:
+    """Hooks, run after the scheduler's, that note the stream each stage call runs on."""
+    seen: dict[str, list[VirtualStream]] = {name: [] for name in STAGES}
+    for name in STAGES:
+
+        def note(module: nn.Module, args: object, name: str = name) -> None:
+            seen[name].append(found.stream_now())
+
+        model.get_submodule(name).register_forward_pre_hook(note)
+    return seen
+
+
+def _accumulator_streams(model: nn.Module, found: Detection) -> dict[str, VirtualStream | None]:
+    """Per stage parameter, the stream the engine model runs its current accumulator on."""
+    return {
+        f"{stage}.{name}": found.node_stream(get_gradient_edge(p).node)
+        for stage in STAGES
+        for name, p in model.get_submodule(stage).named_parameters()
+    }
+
+
+def _keep_loss_loop(model: nn.Module, steps: int) -> Iterator[torch.Tensor]:
+    """``loss = model(x).sum(); loss.backward()``: each loss lives on into the next forward."""
+    x = two_tower_input()
+    loss = None
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        loss = model(x).sum()
+        loss.backward()
+        yield loss
+
+
+@pytest.mark.parametrize("planner", ["dataflow", "static"])
+def test_stage_parameters_accumulate_on_their_stage_streams_while_the_old_loss_lives(
+    planner: str,
+) -> None:
+    backend = DetectingBackend()
+    with detect(backend) as found:
+        model = ooo_wrap.OOOModule(
+            make_two_towers(),
+            backend=backend,
+            stages=STAGES,
+            planner=planner,  # type: ignore[arg-type]
+        )
+        found.keep_alive(model)
+        steps = _keep_loss_loop(model, 4)
+        if planner == "dataflow":
+            next(steps)  # the learning step, inline on the caller's stream
+        seen = _stage_streams(model, found)
+        for step, _ in enumerate(steps):
+            streams = _accumulator_streams(model, found)
+            for name, stream in streams.items():
+                stage = next(s for s in STAGES if name.startswith(s + "."))
+                assert stream == seen[stage][step], (step, name, stream, seen[stage])
+                assert stream is not None and stream.id != 0, (step, name)
+    assert found.ok, (found.races, found.allocator_hazards)
+
+
+def test_tuning_steps_accumulate_where_they_run_plain_on_the_caller_planned_on_the_stage() -> None:
+    # Measured tuning alternates plain and planned steps; each arm's accumulators are
+    # made on the streams it runs on, whichever arm ran before.
+    backend = DetectingBackend(step_time=lambda calls: 1.0)
+    with detect(backend) as found:
+        model = ooo_wrap.OOOModule(
+            make_two_towers(), backend=backend, stages=STAGES, planner="dataflow", tune=True
+        )
+        found.keep_alive(model)
+        steps = _keep_loss_loop(model, 7)
+        next(steps)  # learning
+        seen = _stage_streams(model, found)
+        arms = []
+        for _ in steps:
+            streams = set(_accumulator_streams(model, found).values())
+            arms.append(streams)
+        tuning = model.tuning
+        assert tuning is not None and tuning.decision == "pending"
+    # plain, plan, plain, ...: the plain arm's on the caller's stream, the plan's on the
+    # stages' own (every stage call of a planned step forks).
+    caller = VirtualStream(0)
+    stage_streams = {s for calls in seen.values() for s in calls if s != caller}
+    assert len(stage_streams) == 2
+    assert arms == [{caller}, stage_streams] * 3
+    assert found.ok, (found.races, found.allocator_hazards)
+
+
+def test_gradients_and_parameter_hooks_are_those_of_the_plain_model() -> None:
+    plain = make_two_towers()
+    wrapped = ooo_wrap.OOOModule(
+        copy.deepcopy(plain), backend=DetectingBackend(), stages=STAGES, tune=False
+    )
+    calls: dict[str, list[str]] = {"plain": [], "wrapped": []}
+    history: dict[str, list[dict[str, torch.Tensor]]] = {"plain": [], "wrapped": []}
+    x = two_tower_input()
+    for label, model in (("plain", plain), ("wrapped", wrapped)):
+        log = calls[label]
+        for name, p in model.named_parameters():
+            p.register_hook(lambda g, name=name, log=log: log.append(f"pre {name}"))
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name, log=log: log.append(f"post {name}")
+            )
+        params = list(model.parameters())
+        loss = None
+        for _ in range(4):  # each loss lives into the next forward; .grad accumulates
+            loss = model(x).sum()
+            # This step's graph reaches every parameter's current accumulator.
+            grads = torch.autograd.grad(loss, params, retain_graph=True)
+            loss.backward()
+            step = {f"grad:{n}": p.grad.clone() for n, p in model.named_parameters()}
+            step.update({f"autograd.grad:{i}": g for i, g in enumerate(grads)})
+            history[label].append(step)
+    for a, b in zip(history["plain"], history["wrapped"], strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[n], b[n]) for n in a), [
+            n for n in a if not torch.equal(a[n], b[n])
+        ]
+    assert calls["plain"] == calls["wrapped"]
+    assert all(p.requires_grad and p.is_leaf for p in wrapped.parameters())
+
+
+def test_an_accumulator_someone_held_before_the_first_forward_is_kept() -> None:
+    # DistributedDataParallel takes every accumulator when it is constructed, and keeps
+    # hooks on it: the wrapper must never make it stale.
+    backend = DetectingBackend()
+    model = ooo_wrap.OOOModule(
+        make_two_towers(), backend=backend, stages=STAGES, planner="dataflow"
+    )
+    weight = model.get_submodule(STAGES[0]).weight
+    held = get_gradient_edge(weight).node
+    ran: list[int] = []
+    held.register_hook(lambda *_: ran.append(1))
+    for _ in _keep_loss_loop(model, 3):
+        pass
+    assert len(ran) == 3  # every step accumulated through the held node
 
 
 def test_the_engine_models_hooks_keep_no_graph_alive() -> None:
@@ -61,6 +202,39 @@ def test_check_runs_its_last_step_with_the_previous_loss_alive() -> None:
     assert not [note for note in report.notes if "AccumulateGrad" in note], report.notes
 
 
+def test_check_finds_no_accumulator_left_on_the_learning_steps_stream() -> None:
+    # steps=2: the planned step runs while the learning step's graph is still alive.
+    report = check(make_two_towers(), two_tower_input(), stages=STAGES, steps=2)
+    assert report.ok, str(report)
+    assert not [note for note in report.notes if "AccumulateGrad" in note], report.notes
+
+
+def test_a_step_under_disabled_leaves_no_accumulator_to_the_next_planned_step() -> None:
+    backend = DetectingBackend()
+    with detect(backend) as found:
+        model = ooo_wrap.OOOModule(
+            make_two_towers(), backend=backend, stages=STAGES, planner="static"
+        )
+        found.keep_alive(model)
+        x = two_tower_input()
+        first = model(x).sum()
+        first.backward()
+        model.zero_grad(set_to_none=True)
+        with ooo_wrap.disabled():
+            inline = model(x).sum()  # inline: makes its accumulators on the caller's stream
+        assert set(_accumulator_streams(model, found).values()) == {VirtualStream(0)}
+        inline.backward()
+        model.zero_grad(set_to_none=True)
+        seen = _stage_streams(model, found)
+        last = model(x).sum()
+        last.backward()
+        for name, stream in _accumulator_streams(model, found).items():
+            stage = next(s for s in STAGES if name.startswith(s + "."))
+            assert stream == seen[stage][0], name
+        del first, inline, last
+    assert found.ok, (found.races, found.allocator_hazards)
+
+
 def test_the_checker_sees_a_gradient_accumulated_away_from_its_producer() -> None:
     cpu = torch.device("cpu")
     w = nn.Parameter(torch.randn(3))
@@ -77,3 +251,27 @@ def test_the_checker_sees_a_gradient_accumulated_away_from_its_producer() -> Non
         del old
     (mismatch,) = found.accumulator_mismatches
     assert (mismatch.producer, mismatch.accumulator) == (side, main)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tune", [False, True])
+def test_no_accumulate_grad_stream_mismatch_on_a_gpu_in_a_loop_keeping_the_loss(
+    tune: bool,
+) -> None:
+    device = torch.device("cuda")
+    model = ooo_wrap.OOOModule(make_two_towers().to(device), stages=STAGES, tune=tune)
+    x = two_tower_input().to(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = None
+        # The learning step, then planned steps (with tune: plain and planned arms in
+        # turn, while tuning is pending).
+        for _ in range(8):
+            model.zero_grad(set_to_none=True)
+            loss = model(x).sum()
+            loss.backward()
+        torch.cuda.synchronize()
+    assert tune is False or (model.tuning is not None and model.tuning.decision == "pending")
+    mismatches = [str(w.message) for w in caught if "AccumulateGrad node's stream" in str(w)]
+    assert mismatches == []
+    assert model.stats.stage_calls > 0
