@@ -32,8 +32,9 @@ PyTorch has no public API to read or drop a leaf's cached accumulator, so both a
 here, and only here: ``Tensor.data`` assignment drops it when the dtype changes
 (``VariableHooks::set_data``: "Resets gradient accumulator if metadata is out of date"),
 the node's recorded input shape (``Node._input_metadata``) tells a cached node from one
-made by the look-up itself, and the look-ups run with the thread's dispatch modes set
-aside (``torch.utils._python_dispatch._disable_current_modes``).
+made by the look-up itself, the look-ups run with the thread's dispatch modes set aside
+(``torch.utils._python_dispatch._disable_current_modes``), and none runs under a
+functorch transform (``torch._C._are_functorch_transforms_active``).
 """
 
 from __future__ import annotations
@@ -124,7 +125,16 @@ def _unobserved() -> Iterator[None]:
 
 
 def _can_make_nodes() -> bool:
-    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    """Whether this forward makes accumulators the wrapper may look up: not with gradients
+    off, nor while ``torch.jit.trace`` records (the look-ups would be traced), nor under a
+    functorch transform (``torch.func.grad``), whose nodes belong to wrapper tensors and
+    which refuses ``.data`` assignment."""
+    return (
+        torch.is_grad_enabled()
+        and not torch.is_inference_mode_enabled()
+        and not torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]
+        and not torch._C._are_functorch_transforms_active()
+    )
 
 
 def _parameters(model: nn.Module) -> Iterator[nn.Parameter]:

@@ -249,8 +249,28 @@ def test_the_checker_sees_a_gradient_accumulated_away_from_its_producer() -> Non
         b.wait_event(main, b.record_event(side))
         loss.backward()
         del old
+    # No backward ended between the two forwards: a mismatch, not an older graph's node.
     (mismatch,) = found.accumulator_mismatches
-    assert (mismatch.producer, mismatch.accumulator) == (side, main)
+    assert (mismatch.producer, mismatch.accumulator, mismatch.stale) == (side, main, False)
+
+
+def test_the_checker_sees_an_accumulator_an_older_graph_kept_alive() -> None:
+    cpu = torch.device("cpu")
+    w = nn.Parameter(torch.randn(3))
+    with detect() as found:
+        b = found.backend
+        main, side = b.current_stream(cpu), b.new_stream(cpu)
+        old = (w * 2).sum()  # w's accumulator is made on main
+        old.backward()  # ...and old keeps it alive past its backward
+        b.wait_event(side, b.record_event(main))
+        b.set_stream(side)
+        loss = (w * 3).sum()
+        b.set_stream(main)
+        b.wait_event(main, b.record_event(side))
+        loss.backward()
+        del old
+    (mismatch,) = found.accumulator_mismatches
+    assert (mismatch.producer, mismatch.accumulator, mismatch.stale) == (side, main, True)
 
 
 @pytest.mark.cuda

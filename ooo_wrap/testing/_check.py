@@ -162,18 +162,19 @@ def torch_version_note(version: str | None = None) -> str | None:
 
 
 def _mismatch_note(found: Detection) -> str | None:
-    """A line for the report if some gradient accumulated away from its producer's stream."""
-    mismatches = found.accumulator_mismatches
-    if not mismatches:
+    """A line for the report if some gradient accumulated, away from its producer's
+    stream, into an accumulator an older graph kept alive."""
+    stale = [m for m in found.accumulator_mismatches if m.stale]
+    if not stale:
         return None
-    first = mismatches[0]
+    first = stale[0]
     where = f" (first: stage {first.stage})" if first.stage is not None else ""
     return (
-        f"{plural(len(mismatches), 'gradient')} accumulated on another stream than the one that "
-        f"produced {'it' if len(mismatches) == 1 else 'them'}{where}: "
-        f"{first.producer} handed to an AccumulateGrad node made on {first.accumulator}; "
-        "no race, but that stream waits for each such gradient, and torch >= 2.9 warns "
-        '"The AccumulateGrad node\'s stream does not match"'
+        f"{plural(len(stale), 'gradient')} accumulated into an AccumulateGrad node an older "
+        f"graph kept alive, on another stream than the one that produced "
+        f"{'it' if len(stale) == 1 else 'them'}{where}: {first.producer} handed to one made "
+        f"on {first.accumulator}; no race, but that stream waits for each such gradient, and "
+        'torch >= 2.9 warns "The AccumulateGrad node\'s stream does not match"'
     )
 
 

@@ -168,8 +168,9 @@ class Detection:
     def accumulator_mismatches(self) -> tuple[AccumulatorMismatch, ...]:
         """Gradients handed to an ``AccumulateGrad`` node on another stream than their
         producer's (what torch >= 2.9 warns of): no race, since the engine orders the
-        hand-over, but the accumulation waits there, typically on an accumulator an older
-        graph kept alive from a step that ran on other streams."""
+        hand-over, but the accumulation waits there. ``stale`` ones went to an accumulator
+        made before the last backward ended, which an older graph kept alive from a step
+        that ran on other streams; the others to a parameter two streams' stages share."""
         return tuple(self._engine.mismatches)
 
     @property

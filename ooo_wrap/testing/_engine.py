@@ -119,6 +119,7 @@ class AccumulatorMismatch:
     stage: str | None  # the producer's stage
     producer: VirtualStream
     accumulator: VirtualStream
+    stale: bool  # the accumulator was made before the last backward ended
 
 
 _Edges = tuple[tuple[Node | None, int], ...]
@@ -159,6 +160,10 @@ class EngineModel:
         self._handles: list[RemovableHandle] = []
         self._stage: str | None = None
         self.mismatches: list[AccumulatorMismatch] = []
+        self._fresh_from = 0  # tags from this id on were made after the last backward
+        # This backward's accumulators fed from another stream, and those fed from theirs.
+        self._away: dict[int, AccumulatorMismatch] = {}
+        self._fed_in_place: set[int] = set()
         # Per thread, the autograd sequence number after each op, and the op's stream
         # and stage (rule 8); nodes numbered before detection began are not matched.
         self._seqs: defaultdict[int, list[int]] = defaultdict(list)
@@ -273,6 +278,8 @@ class EngineModel:
         self._stack.clear()
         self._seqs.clear()
         self._makers.clear()
+        self._away.clear()
+        self._fed_in_place.clear()
 
     def stream_of(self, node: Node) -> VirtualStream | None:
         """The stream ``node`` was tagged with, if this model tagged it."""
@@ -388,11 +395,17 @@ class EngineModel:
             if consumer_node.name() == _ACCUMULATE_GRAD:
                 if self._stack:
                     self._stack[-1].unrun[consumer.id] = consumer.stream
-                if consumer.stream != tag.stream:
-                    # The engine warns of this (torch >= 2.9): an accumulator made on
-                    # another stream, typically one an older graph still holds.
-                    self.mismatches.append(
-                        AccumulatorMismatch(tag.stage, tag.stream, consumer.stream)
+                if consumer.stream == tag.stream:
+                    self._fed_in_place.add(consumer.id)
+                else:
+                    # The engine warns of this (torch >= 2.9). Kept, when the backward
+                    # ends, only if no gradient came from the accumulator's own stream
+                    # (else a parameter two streams' stages share): it was made on
+                    # another stream, typically by an older graph that still holds it.
+                    stale = consumer.id < self._fresh_from
+                    self._away.setdefault(
+                        consumer.id,
+                        AccumulatorMismatch(tag.stage, tag.stream, consumer.stream, stale),
                     )
             key = storage_key(grad)
             if consumer.stream != tag.stream:
@@ -440,6 +453,10 @@ class EngineModel:
         if not self._stack:
             self._buffered.clear()
             self._finished = None
+            self._fresh_from = next(self._ids)
+            self.mismatches += [m for key, m in self._away.items() if key not in self._fed_in_place]
+            self._away.clear()
+            self._fed_in_place.clear()
         self._window, self._first = [], []
         self._host.switch_stream(frame.caller)
         self._stage = frame.stage_before
