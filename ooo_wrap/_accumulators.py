@@ -90,17 +90,23 @@ class Accumulators:
         with self._lock, _unobserved():
             if self._shared:
                 return
+            # The previous switched forward's end() did not run (its root post-hook was
+            # not reached): what is unmarked now was made by it, so is ours.
+            unmarked_ours = self._marking
             self._layout = layout
             self._marking = True
             for param in _parameters(model):
-                node = _cached(param)
-                if node is None:
-                    continue
-                owner = _metadata(node).get(_KEY)
-                if owner is self._token:
-                    _release(param)
-                elif owner is None:
-                    _metadata(node)[_KEY] = _FOREIGN  # here before us: never ours to release
+                try:
+                    node = _cached(param)
+                    if node is None:
+                        continue
+                    owner = _metadata(node).get(_KEY)
+                    if owner is self._token or (owner is None and unmarked_ours):
+                        _release(param)
+                    elif owner is None:
+                        _metadata(node)[_KEY] = _FOREIGN  # here before us: never ours
+                except RuntimeError:
+                    continue  # .data refused (a kind of tensor filtered out too late)
 
     def end(self, model: nn.Module) -> None:
         """After a forward that :meth:`begin` switched: mark the accumulators it made."""
@@ -111,7 +117,10 @@ class Accumulators:
             if self._shared:
                 return
             for param in _parameters(model):
-                node = _cached(param)
+                try:
+                    node = _cached(param)
+                except RuntimeError:
+                    continue  # as in begin()
                 if node is not None:
                     _metadata(node).setdefault(_KEY, self._token)
 
