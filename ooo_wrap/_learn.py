@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _plan
+from ._accumulators import Accumulators
 from ._backend import Backend
 from ._bypass import eager_bypass_reason
 from ._cost import H200
@@ -105,8 +106,10 @@ class Learner:
         backend: Backend,
         device: torch.device,
         counters: Counters,
+        accumulators: Accumulators,
     ) -> None:
         self._counters = counters
+        self._accumulators = accumulators
         self._streams = streams
         self._stages = stages
         self._backend = backend
@@ -153,6 +156,9 @@ class Learner:
         self._counters.forwards += 1
         if not self._eligible():
             return
+        # This forward runs inline: its parameters' accumulators are made on the caller's
+        # stream (and released again before the first planned forward).
+        self._accumulators.begin(module, "inline")
         observer = Observer(module, gpu=REFERENCE_GPU, inside_root=True)
         try:
             observer.__enter__()
@@ -171,6 +177,7 @@ class Learner:
         raised = sys.exc_info()[1] is not None
         try:
             observer.__exit__(None, None, None)
+            self._accumulators.end(module)
             if raised:
                 return  # the forward raised: learn on the next one
             named = named_stages(module, self._streams, self._stages)

@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _deferred
+from ._accumulators import Accumulators
 from ._backend import Backend, Stream
 from ._bypass import BYPASS_MESSAGES, eager_bypass_reason
 from ._compat import is_checkpoint_early_stop
@@ -104,6 +105,12 @@ class Scheduler:
         # Why stage calls outside any root call run inline, if they must: set by measured
         # tuning during a plain step, whose backward may recompute checkpointed stages.
         self.bypass_outside_forward: str | None = None
+        # Set by the wrapper: the accumulators to release when a forward runs on other
+        # streams than the one before (_accumulators.py); while a tuner runs, its root
+        # pre-hook (run before any op of the forward, after this one) does it instead,
+        # once it has chosen the arm.
+        self.accumulators: Accumulators | None = None
+        self.layout_by_tuner = False
 
     def install(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
         """Register the hooks, appending each handle to ``handles`` as soon as it exists."""
@@ -162,7 +169,14 @@ class Scheduler:
         local = self._local
         if local.frames or local.calls:
             _drop_stale_calls(module)
-        local.calls.append(RootCall(self, module))
+        call = RootCall(self, module)
+        local.calls.append(call)
+        accumulators = self.accumulators
+        if accumulators is not None and call.bypass != "no_grad" and not self.layout_by_tuner:
+            # Before any op of the forward: if it runs on other streams than the previous
+            # one, the accumulators that one made are released, so each parameter's is
+            # made where this forward first uses it.
+            accumulators.begin(module, "inline" if call.bypass is not None else "planned")
 
     def _root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -171,6 +185,8 @@ class Scheduler:
         if not calls or calls[-1].module is not module:
             return  # our pre-hook did not run for this call (an earlier pre-hook raised)
         call = calls.pop()
+        if self.accumulators is not None:
+            self.accumulators.end(module)
         if self.overlap_forward:
             # 5. (deferred) The waits below cover every join this call left pending.
             _deferred.suspend()

@@ -49,7 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._backend import Mark, StepClock
 from ._events import EventKind, OOOEvent
-from ._inflight import thread_state
+from ._inflight import RootCall, thread_state
 from ._tensors import tensors_in
 
 if TYPE_CHECKING:
@@ -216,6 +216,7 @@ class Tuner:
 
     def install(self, model: nn.Module) -> None:
         """Register the hooks after the scheduler's, so the root call is there to read."""
+        self._scheduler.layout_by_tuner = True
         for handle in (
             model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
             model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True),
@@ -229,6 +230,7 @@ class Tuner:
         if _turn is not None and _turn() is self:
             _turn = None
         self._scheduler.bypass_outside_forward = None
+        self._scheduler.layout_by_tuner = False
         mine = {id(handle) for handle in self._handles}
         for handle in self._handles:
             handle.remove()
@@ -250,6 +252,16 @@ class Tuner:
         if not calls or calls[-1].module is not module or calls[-1].owner is not self._scheduler:
             return  # the scheduler's pre-hook did not open this call
         call = calls[-1]
+        self._choose_arm(module, call, args, kwargs)
+        accumulators = self._scheduler.accumulators
+        if accumulators is not None and call.bypass != "no_grad":
+            # Still before any op of the forward, now that the arm is known: release the
+            # accumulators the previous forward made if it ran on other streams.
+            accumulators.begin(module, "inline" if call.bypass is not None else "planned")
+
+    def _choose_arm(self, module: nn.Module, call: RootCall, args: Any, kwargs: Any) -> None:
+        """1.-3.: time the step this forward starts or continues, and choose its arm."""
+        calls = thread_state.calls
         if self._frames and not any(c.module is module for c in calls[:-1]):
             # Left by a forward a BaseException (KeyboardInterrupt) ended: its post-hook
             # never ran, so the open step's marks are incomplete.

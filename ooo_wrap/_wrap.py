@@ -7,7 +7,7 @@ import itertools
 import logging
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, SupportsIndex
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
+from ._accumulators import Accumulators
 from ._backend import AcceleratorBackend, Backend, clock_of
 from ._classswap import build_original, wrapped_class
 from ._compat import forward_hook_dicts, is_compiled_module
@@ -50,6 +51,9 @@ class _WrapState:
     learner: Learner | None = None  # the hooks that learn the plan, until it is learned
     tuner: Tuner | None = None  # the hooks that time plain against planned, until decided
     tuning: Tuning | None = None  # the last decided tuning; None if never tuned
+    # Which accumulators the wrapper's own forwards made (released when the next forward
+    # runs on other streams; _accumulators.py).
+    accumulators: Accumulators = field(default_factory=Accumulators)
 
     def events(self) -> tuple[OOOEvent, ...]:
         if self.scheduler is not None:
@@ -554,7 +558,9 @@ def _refuse_inside_forward(model: nn.Module, state: _WrapState, call: str) -> No
 def _start_learner(state: _WrapState, device: torch.device) -> None:
     options = state.options
     state.plan = pending_plan(options.streams)
-    learner = Learner(options.streams, options.stages, state.backend, device, state.counters)
+    learner = Learner(
+        options.streams, options.stages, state.backend, device, state.counters, state.accumulators
+    )
     # The learner holds no reference to the model (a wrap state must not keep it alive).
     learner.finish = lambda model, the_plan, why: finish(
         model, _state(model), the_plan, why, start_scheduler
@@ -629,6 +635,7 @@ def start_scheduler(model: nn.Module, state: _WrapState, the_plan: Plan) -> None
         raise
     state.handles += added
     state.plan, state.scheduler = the_plan, scheduler
+    scheduler.accumulators = state.accumulators
     _start_tuning(model, state)
 
 

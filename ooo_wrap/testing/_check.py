@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from .._errors import OOOConfigError, positive_int
 from .._events import EventKind
 from .._options import Planner
+from .._plan import plural
 from .._tensors import map_leaves, named_tensors
 from .._wrap import OOOModule, events_for, runs_plain
 from ._detect import DetectingBackend, Detection, detect
@@ -133,6 +134,9 @@ def check(
     version_note = torch_version_note()
     if version_note is not None:
         notes += (version_note,)
+    mismatch_note = _mismatch_note(found)
+    if mismatch_note is not None:
+        notes += (mismatch_note,)
     records = found.ops
     return CheckReport(
         races=found.races,
@@ -163,6 +167,23 @@ def torch_version_note(version: str | None = None) -> str | None:
     if CHECKED_TORCH[0] <= (major, minor) <= CHECKED_TORCH[1]:
         return None
     return f"torch {version} is installed; {checked}: backward findings may not match its engine"
+
+
+def _mismatch_note(found: Detection) -> str | None:
+    """A line for the report if some gradient accumulated, away from its producer's
+    stream, into an accumulator an older graph kept alive."""
+    stale = [m for m in found.accumulator_mismatches if m.stale]
+    if not stale:
+        return None
+    first = stale[0]
+    where = f" (first: stage {first.stage})" if first.stage is not None else ""
+    return (
+        f"{plural(len(stale), 'gradient')} accumulated into an AccumulateGrad node an older "
+        f"graph kept alive, on another stream than the one that produced "
+        f"{'it' if len(stale) == 1 else 'them'}{where}: {first.producer} handed to one made "
+        f"on {first.accumulator}; no race, but that stream waits for each such gradient, and "
+        'torch >= 2.9 warns "The AccumulateGrad node\'s stream does not match"'
+    )
 
 
 def _not_checked(wrapped: nn.Module, *, learned_on_last_step: bool) -> str | None:
@@ -213,6 +234,7 @@ def _train(
     ``capture`` (and ``found``), the last step runs under a simulated graph capture."""
     results = []
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    kept: list[Any] = []  # the previous step's output and loss, while the last step runs
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         for step in range(steps):
@@ -234,7 +256,13 @@ def _train(
                     _sgd(params)
             outputs = {name: t.detach() for name, t in named_tensors(output, "output")}
             results.append((outputs, {f"grad:{n}": g for n, g in grads.items()}))
-            del output, loss  # drop the graph, so the next step makes fresh nodes
+            # Each step but the last drops its graph, so the next makes fresh nodes; the
+            # one before the last keeps it alive through the last forward and backward,
+            # as the usual `loss = model(x).sum(); loss.backward()` loop does (the old
+            # graph then holds the parameters' accumulators). Not before a capture, which
+            # is warmed up with the graph dropped.
+            kept[:] = [output, loss] if step == steps - 2 and not capture else []
+            del output, loss
     return results
 
 

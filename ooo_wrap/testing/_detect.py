@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 
 from .._cost import estimate_op
 from .._intercept import OpInterceptor, intercept_new_threads
 from .._tensors import tensors_in
 from ._capture import SimulatedCapture, simulated_capture
-from ._engine import EngineModel
+from ._engine import AccumulatorMismatch, EngineModel
 from ._host import HostReads
 from ._ops import (
     HOST_SYNCS,
@@ -31,7 +32,7 @@ from ._ops import (
     tensor_uses,
     written_keys,
 )
-from ._simulated import SimulatedBackend, VirtualEvent, VirtualStream
+from ._simulated import SimulatedBackend, StepTime, VirtualEvent, VirtualStream
 from ._tracker import Access, AllocatorHazard, Clock, OpRecord, Phase, Race, StreamTracker
 
 __all__ = ["DetectingBackend", "Detection", "detect", "host_read"]
@@ -56,8 +57,10 @@ class DetectingBackend(SimulatedBackend):
         >>> found.races, found.allocator_hazards
     """
 
-    def __init__(self, *, keep_all: bool = False, log_size: int = 10_000) -> None:
-        super().__init__(keep_all=keep_all, log_size=log_size)
+    def __init__(
+        self, *, keep_all: bool = False, log_size: int = 10_000, step_time: StepTime | None = None
+    ) -> None:
+        super().__init__(keep_all=keep_all, log_size=log_size, step_time=step_time)
         self._detection: Detection | None = None
 
     def record_event(
@@ -162,6 +165,15 @@ class Detection:
         return tuple(self._records)
 
     @property
+    def accumulator_mismatches(self) -> tuple[AccumulatorMismatch, ...]:
+        """Gradients handed to an ``AccumulateGrad`` node on another stream than their
+        producer's (what torch >= 2.9 warns of): no race, since the engine orders the
+        hand-over, but the accumulation waits there. ``stale`` ones went to an accumulator
+        made before the last backward ended, which an older graph kept alive from a step
+        that ran on other streams; the others to a parameter two streams' stages share."""
+        return tuple(self._engine.mismatches)
+
+    @property
     def ok(self) -> bool:
         """No races and no allocator hazards."""
         return not self.tracker.races and not self.tracker.hazards
@@ -178,6 +190,12 @@ class Detection:
                 key = storage_key(tensor)
                 if key is not None:
                     self.tracker.keep_alive(key)
+
+    def node_stream(self, node: Node) -> VirtualStream | None:
+        """The virtual stream the engine model runs autograd ``node`` on (the stream its
+        forward made it on), or ``None`` for a node it has not tagged yet (a node is
+        tagged at the op after the one that made it)."""
+        return self._engine.stream_of(node)
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:

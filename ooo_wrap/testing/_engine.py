@@ -9,7 +9,10 @@ how each point is modelled here:
 2. An ``AccumulateGrad`` node takes the stream current when the leaf's grad accumulator
    was created, i.e. the first op that used the leaf in this graph: an untagged node
    reached from a new node is tagged with that node's stream. If the accumulator outlives
-   a step (something holds the old graph), it keeps its old tag, as the engine's does.
+   a step (something holds the old graph), it keeps its old tag, as the engine's does;
+   a gradient handed to it from a node on another stream is recorded as a mismatch
+   (what torch >= 2.9 warns of). The model's own hooks hold no node, so they keep no
+   dropped graph alive.
 3. A gradient passing from a producer to a consumer node on another stream: the consumer
    (or the accumulation into its input buffer) waits on an event recorded on the producer
    when the producer finished, and the engine calls ``record_stream(consumer)`` on the
@@ -68,7 +71,7 @@ from ._ops import storage_key
 from ._simulated import VirtualStream
 from ._tracker import Clock, StreamTracker
 
-__all__ = ["CHECKED_TORCH", "EngineHost", "EngineModel", "NodeTag"]
+__all__ = ["CHECKED_TORCH", "AccumulatorMismatch", "EngineHost", "EngineModel", "NodeTag"]
 
 # The torch releases (major, minor) the model was checked against: it follows the
 # producer/consumer stream syncs of engine.cpp and input_buffer.cpp as rewritten for 2.9,
@@ -109,6 +112,19 @@ class NodeTag:
     stage: str | None
 
 
+@dataclass(frozen=True)
+class AccumulatorMismatch:
+    """A gradient accumulated on another stream than the node that produced it ran on."""
+
+    stage: str | None  # the producer's stage
+    producer: VirtualStream
+    accumulator: VirtualStream
+    stale: bool  # the accumulator was made before the last backward ended
+
+
+_Edges = tuple[tuple[Node | None, int], ...]
+
+
 @dataclass
 class _Backward:
     """One ``backward()`` (or ``autograd.grad``) call in flight."""
@@ -143,6 +159,11 @@ class EngineModel:
         self._first: list[tuple[int, NodeTag]] = []
         self._handles: list[RemovableHandle] = []
         self._stage: str | None = None
+        self.mismatches: list[AccumulatorMismatch] = []
+        self._fresh_from = 0  # tags from this id on were made after the last backward
+        # This backward's accumulators fed from another stream, and those fed from theirs.
+        self._away: dict[int, AccumulatorMismatch] = {}
+        self._fed_in_place: set[int] = set()
         # Per thread, the autograd sequence number after each op, and the op's stream
         # and stage (rule 8); nodes numbered before detection began are not matched.
         self._seqs: defaultdict[int, list[int]] = defaultdict(list)
@@ -241,7 +262,7 @@ class EngineModel:
             self.flush()
             tag = self._tag(node) or self._tag_unseen(node)
         if tag is not None and tag.id not in self._running and tag.id != self._finished:
-            self._pre(node, tag, ())
+            self._pre(tuple(node.next_functions), tag, ())
 
     def close(self) -> None:
         """Remove every hook this model installed and forget its state."""
@@ -257,6 +278,13 @@ class EngineModel:
         self._stack.clear()
         self._seqs.clear()
         self._makers.clear()
+        self._away.clear()
+        self._fed_in_place.clear()
+
+    def stream_of(self, node: Node) -> VirtualStream | None:
+        """The stream ``node`` was tagged with, if this model tagged it."""
+        tag = self._tag(node)
+        return None if tag is None else tag.stream
 
     # --- tagging --------------------------------------------------------------------
 
@@ -293,13 +321,20 @@ class EngineModel:
     def _tag_node(self, node: Node, stream: VirtualStream, stage: str | None) -> NodeTag:
         tag = NodeTag(id(self), next(self._ids), stream, stage)
         _metadata(node)[_TAG] = tag
-        self._handles.append(node.register_prehook(functools.partial(self._pre, node, tag)))
-        self._handles.append(node.register_hook(functools.partial(self._post, node, tag)))
+        # The hooks hold the node's edges, never the node: the node holds its hooks, and a
+        # hook holding it would be a cycle that keeps a dropped graph (and the parameters'
+        # accumulators in it) alive until a garbage collection, so the next step would
+        # reuse old nodes where a real loop that drops its graph makes fresh ones.
+        edges: _Edges = tuple(node.next_functions)
+        self._handles.append(node.register_prehook(functools.partial(self._pre, edges, tag)))
+        self._handles.append(node.register_hook(functools.partial(self._post, edges, tag)))
         return tag
 
     # --- backward -------------------------------------------------------------------
 
-    def _pre(self, node: Node, tag: NodeTag, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+    def _pre(
+        self, edges: _Edges, tag: NodeTag, grad_outputs: Sequence[torch.Tensor | None]
+    ) -> None:
         if tag.id in self._running:
             return  # started early by catch_up
         self.flush()
@@ -322,7 +357,7 @@ class EngineModel:
         self._buffered.pop(tag.id, None)
         self._running.add(tag.id)
         frame.unrun.pop(tag.id, None)
-        if not node.next_functions:
+        if not edges:
             frame.leaf_streams.add(tag.stream)
         frame.running += 1
         self._window, self._first = [], []
@@ -331,13 +366,13 @@ class EngineModel:
 
     def _post(
         self,
-        node: Node,
+        edges: _Edges,
         tag: NodeTag,
         grad_inputs: Sequence[torch.Tensor | None],
         grad_outputs: Sequence[torch.Tensor | None],
     ) -> None:
         if tag.id not in self._running:
-            self._pre(node, tag, ())  # hooked while it ran (see catch_up)
+            self._pre(edges, tag, ())  # hooked while it ran (see catch_up)
         self._running.discard(tag.id)
         self._finished = tag.id
         if self._stack and self._stack[-1].running == 0 and self._stack[-1].nested:
@@ -348,7 +383,7 @@ class EngineModel:
         tracker = self._host.tracker
         window: list[tuple[int | None, NodeTag]] = []
         first: list[tuple[int, NodeTag]] = []
-        for grad, (consumer_node, slot) in zip(grad_inputs, node.next_functions, strict=True):
+        for grad, (consumer_node, slot) in zip(grad_inputs, edges, strict=True):
             if grad is None or consumer_node is None:
                 continue
             consumer = (
@@ -357,8 +392,21 @@ class EngineModel:
                 or self._tag_node(consumer_node, tag.stream, tag.stage)
             )
             self._fed.add(consumer.id)
-            if self._stack and consumer_node.name() == _ACCUMULATE_GRAD:
-                self._stack[-1].unrun[consumer.id] = consumer.stream
+            if consumer_node.name() == _ACCUMULATE_GRAD:
+                if self._stack:
+                    self._stack[-1].unrun[consumer.id] = consumer.stream
+                if consumer.stream == tag.stream:
+                    self._fed_in_place.add(consumer.id)
+                else:
+                    # The engine warns of this (torch >= 2.9). Kept, when the backward
+                    # ends, only if no gradient came from the accumulator's own stream
+                    # (else a parameter two streams' stages share): it was made on
+                    # another stream, typically by an older graph that still holds it.
+                    stale = consumer.id < self._fresh_from
+                    self._away.setdefault(
+                        consumer.id,
+                        AccumulatorMismatch(tag.stage, tag.stream, consumer.stream, stale),
+                    )
             key = storage_key(grad)
             if consumer.stream != tag.stream:
                 # 1. The consumer's stream waits on an event recorded on ours now.
@@ -405,6 +453,10 @@ class EngineModel:
         if not self._stack:
             self._buffered.clear()
             self._finished = None
+            self._fresh_from = next(self._ids)
+            self.mismatches += [m for key, m in self._away.items() if key not in self._fed_in_place]
+            self._away.clear()
+            self._fed_in_place.clear()
         self._window, self._first = [], []
         self._host.switch_stream(frame.caller)
         self._stage = frame.stage_before
