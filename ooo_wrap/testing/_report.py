@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._cost import H200, ReferenceGPU
 from .._errors import OOOError
 from .._plan import plural
 from ._timeline import Slot, Timeline, lay_out, split_steps
@@ -101,6 +102,7 @@ class CheckReport:
         not_checked: why nothing was checked, when the wrapper fell back (the model then
             ran with standard backward, so there were no side streams to check); ``None``
             when the wrapped model was checked.
+        gpu: the reference GPU the timeline and :attr:`estimate` are estimated on.
 
     Example::
 
@@ -120,6 +122,7 @@ class CheckReport:
     captured: bool = False
     not_checked: str | None = None
     overlap_forward: bool = False
+    gpu: ReferenceGPU = H200
 
     @property
     def ok(self) -> bool:
@@ -165,7 +168,8 @@ class CheckReport:
         """The last step's estimated length on the wrapped schedule and on one stream."""
         steps = split_steps(self.trace)
         last = steps[-1] if steps else []
-        wrapped, serial = lay_out(last), lay_out(last, one_stream=True)
+        wrapped = lay_out(last, gpu=self.gpu)
+        serial = lay_out(last, one_stream=True, gpu=self.gpu)
         return StepEstimate(wrapped.length_us, serial.length_us, wrapped.gpu.name)
 
     def raise_if_failed(self) -> None:
@@ -183,7 +187,7 @@ class CheckReport:
         first op after the wait; each race is an arrow between its two accesses plus a
         marker on the later one; each allocator hazard a marker on its access.
         """
-        timeline = lay_out(self.trace)
+        timeline = lay_out(self.trace, gpu=self.gpu)
         with open(path, "w", encoding="utf-8") as file:
             json.dump({"traceEvents": trace_events(timeline, self), "displayTimeUnit": "ns"}, file)
 
