@@ -153,6 +153,7 @@ def check(
         captured=capture,
         overlap_forward=overlap_forward,
         gpu=measured or H200,
+        learning_step=1 if planner == "dataflow" else None,
         not_checked=_not_checked(
             wrapped, learned_on_last_step=planner == "dataflow" and steps == 1
         ),
@@ -289,12 +290,21 @@ def _label_stages(model: nn.Module, found: Detection) -> list[RemovableHandle]:
     labelled: set[str] = set()
 
     def label(*_: Any) -> None:
-        for stage in model.plan.stages:
-            if stage.name in labelled:
+        learned = model.plan.learned
+        # The stages, and the calls of branches the plan keeps on the caller's stream (no
+        # stage, but their ops are named after them in the trace).
+        names = [stage.name for stage in model.plan.stages]
+        for region in learned.regions if learned is not None else ():
+            names += [c for b in region.branches if b.stream is None for c in b.calls]
+        for name in names:
+            if name in labelled:
                 continue
-            labelled.add(stage.name)
-            module = model.get_submodule(stage.name)
-            push = functools.partial(_push, found, stage.name)
+            labelled.add(name)
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                continue  # not a module of this model: nothing to label
+            push = functools.partial(_push, found, name)
             handles.append(module.register_forward_pre_hook(push))
             pop = functools.partial(_pop, found)
             handles.append(module.register_forward_hook(pop, always_call=True))
