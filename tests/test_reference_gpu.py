@@ -134,3 +134,20 @@ def test_cli_passes_gpu(tmp_path: Path) -> None:
     assert "measured stand-in" in checked.out
     broken = run_cli("check", *argv, "--gpu", str(tmp_path / "missing.json"))
     assert broken.status == 2 and "cannot load a ReferenceGPU" in broken.err
+
+
+def test_calibration_keeps_the_datasheet_peaks_and_names_the_device() -> None:
+    from benchmarks import calibrate
+
+    measured = {"device": "Some GPU", "sm_count": 100, "launch_us": 3.0}
+    measured |= {"kernel_floor_us": 1.25, "fork_join_us": 7.5}
+    gpu = calibrate.reference_gpu(measured)
+    assert (gpu.sm_count, gpu.launch_us, gpu.kernel_floor_us, gpu.fork_join_us) == (
+        100,
+        3.0,
+        1.25,
+        7.5,
+    )
+    assert gpu.peak_flops == H200.peak_flops and gpu.memory_bandwidth == H200.memory_bandwidth
+    assert gpu.name.startswith("Some GPU (measured") and "H200 SXM datasheet" in gpu.name
+    assert ReferenceGPU.from_json(gpu.to_json()) == gpu

@@ -194,8 +194,8 @@ class CheckReport:
         marker on the later one; each allocator hazard a marker on its access. Each
         training step is an async slice (``ph`` ``b``/``e``, category ``training_step``,
         the learning step named so) with an instant event where it starts. Each op's
-        args carry its stage (also for
-        ops of a branch the plan kept on the caller's stream), stream, phase and number.
+        args carry its stage (also for ops of a branch the plan kept on the caller's
+        stream), stream, phase and number.
         """
         timeline = lay_out(self.trace, gpu=self.gpu)
         with open(path, "w", encoding="utf-8") as file:
