@@ -48,7 +48,7 @@ if sys.path[0] != str(ROOT):  # benchmark this checkout, not some other installe
 import torch  # noqa: E402
 
 import ooo_wrap  # noqa: E402
-from benchmarks import estimate, overhead  # noqa: E402
+from benchmarks import calibrate, estimate, overhead  # noqa: E402
 from benchmarks.estimate import Estimator, estimate_times  # noqa: E402
 from benchmarks.measure import WRAPPED_MODES, Point, measure_point  # noqa: E402
 from benchmarks.report import (  # noqa: E402
@@ -191,6 +191,13 @@ def run_gpu(
     progress = Progress()
     progress.show("measuring host overhead of the hooks ...")
     report["host_overhead"] = overhead.measure(args.overhead_repeats, args.overhead_calls)
+    if args.reference_gpu is not None:
+        progress.show("measuring launch, fork/join and kernel floor for the ReferenceGPU ...")
+        try:
+            report["calibration"] = calibrate.measure(device)
+        except Exception as error:  # the points are measured: say so, keep them
+            report["calibration_error"] = f"{type(error).__name__}: {error}"
+            print(f"error: calibration failed: {report['calibration_error']}", file=sys.stderr)
     progress.close()
     report["complete"] = True
     save()
@@ -341,6 +348,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render_report(report))
     print()
     print(f"JSON: {write_json(report, json_path)}")
+    if report.get("calibration") and args.reference_gpu is not None:
+        gpu = calibrate.reference_gpu(report["calibration"])
+        gpu.save(args.reference_gpu)
+        print(
+            f"ReferenceGPU: {args.reference_gpu} ({gpu.name}: launch {gpu.launch_us:.2f} µs, "
+            f"fork/join {gpu.fork_join_us:.2f} µs, kernel floor {gpu.kernel_floor_us:.2f} µs)"
+        )
     if report["results"] and not args.no_plot:
         plot = write_plot(report["results"], args.plot or json_path.with_suffix(".png"))
         if plot is not None:

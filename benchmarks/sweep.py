@@ -169,6 +169,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--plot", type=Path, default=None, help="PNG path (default: beside the JSON)")
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
     g.add_argument(
+        "--reference-gpu",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also measure launch, fork/join and kernel floor on this GPU "
+        "(benchmarks/calibrate.py) and write them as a ReferenceGPU JSON here",
+    )
+    g.add_argument(
         "--require-gpu", action="store_true", help="exit with status 2 if no CUDA GPU is visible"
     )
     g.add_argument(

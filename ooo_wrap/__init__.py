@@ -7,6 +7,7 @@ import logging
 
 from ._bypass import disabled
 from ._config import from_config
+from ._cost import H200, ReferenceGPU
 from ._errors import OOOConfigError, OOOError
 from ._events import EventKind, OOOEvent
 from ._graphs import GraphedStep, graphed_step, make_graphed_callables
@@ -16,6 +17,7 @@ from ._tune import Tuning
 from ._wrap import OOOModule, events_for, unwrap
 
 __all__ = [
+    "H200",
     "EventKind",
     "GraphedStep",
     "OOOConfigError",
@@ -24,6 +26,7 @@ __all__ = [
     "OOOModule",
     "OOOStats",
     "Plan",
+    "ReferenceGPU",
     "Stage",
     "Tuning",
     "disabled",

@@ -137,6 +137,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="dataflow (default): stages and streams learned from one forward; static: "
         "stage names or automatic expansion, streams round-robin",
     )
+    parser.add_argument(
+        "--gpu",
+        metavar="PATH",
+        help="a ReferenceGPU JSON (the GPU kit writes one measured on its device) to "
+        "estimate on instead of the H200 datasheet figures",
+    )
 
 
 def _add_input_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -176,7 +182,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         inputs = _inputs(args, model)
     try:
         if learn:
-            the_plan = plan(model, args.streams, stages=args.stages, example_inputs=inputs)
+            the_plan = plan(
+                model, args.streams, stages=args.stages, example_inputs=inputs, gpu=args.gpu
+            )
         else:
             the_plan = plan(model, args.streams, stages=args.stages)
     except OOOError as error:
@@ -263,6 +271,7 @@ def _run_check(args: argparse.Namespace) -> int:
             planner=args.planner,
             overlap_forward=args.overlap_forward,
             capture=args.capture,
+            gpu=args.gpu,
         )
     except testing.CaptureError as error:  # the model broke a capture rule: a finding
         print(f"ooo_wrap check: FAILED under simulated graph capture: {_one_line(error)}")

@@ -27,7 +27,10 @@ decide how (the trace assumes they do not slow each other).
 API (stable)::
 
     ReferenceGPU          frozen dataclass: name, peak_flops, memory_bandwidth, sm_count,
-                          kernel_floor_us, launch_us, fork_join_us; .peak(dtype)
+                          kernel_floor_us, launch_us, fork_join_us; .peak(dtype);
+                          .to_json() / from_json(text), .save(path) / load(path)
+    as_reference_gpu(gpu) a ReferenceGPU, a path to its JSON, or None (the default) ->
+                          ReferenceGPU or None
     H200                  the default ReferenceGPU (public NVIDIA H200 SXM numbers)
     OpCost                frozen dataclass: flops, bytes, occupancy, device_us, launches
     launches_kernel(func) whether an op launches a device kernel at all
@@ -43,7 +46,9 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -51,7 +56,18 @@ from typing import Any, cast
 import torch
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-__all__ = ["ELEMENTS_PER_BLOCK", "H200", "OpCost", "ReferenceGPU", "estimate_op", "launches_kernel"]
+from ._errors import OOOConfigError
+
+__all__ = [
+    "ELEMENTS_PER_BLOCK",
+    "H200",
+    "GPULike",
+    "OpCost",
+    "ReferenceGPU",
+    "as_reference_gpu",
+    "estimate_op",
+    "launches_kernel",
+]
 
 # Elements one thread block handles (a 64x64 output tile, or 256 threads x 16 elements):
 # what decides whether a kernel has enough blocks to occupy every SM.
@@ -118,6 +134,120 @@ class ReferenceGPU:
         """Peak FLOP/s for ``dtype``; the float32 entry (or the first) for dtypes not listed."""
         table = dict(self.peak_flops)
         return table.get(dtype, table.get(torch.float32, self.peak_flops[0][1]))
+
+    def to_json(self) -> str:
+        """This reference as JSON text; dtypes by name (``"float32"``), loadable by
+        :meth:`from_json`.
+
+        Example::
+
+            >>> ReferenceGPU.from_json(H200.to_json()) == H200
+            True
+        """
+        data: dict[str, Any] = {
+            "name": self.name,
+            "peak_flops": {str(dtype).removeprefix("torch."): f for dtype, f in self.peak_flops},
+            "memory_bandwidth": self.memory_bandwidth,
+            "sm_count": self.sm_count,
+            "kernel_floor_us": self.kernel_floor_us,
+            "launch_us": self.launch_us,
+            "fork_join_us": self.fork_join_us,
+        }
+        return json.dumps(data, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> ReferenceGPU:
+        """The reference :meth:`to_json` wrote.
+
+        Args:
+            text: JSON with every field of :class:`ReferenceGPU`; ``peak_flops`` maps
+                torch dtype names (``"float32"``, ``"bfloat16"``) to FLOP/s.
+
+        Returns:
+            The :class:`ReferenceGPU`.
+
+        Raises:
+            ValueError: the text is not JSON, a field is missing, unknown or of the
+                wrong type, a dtype name is not a torch dtype, or a value is out of range.
+        """
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"a ReferenceGPU JSON must be JSON: {error}") from None
+        fields = set(cls.__dataclass_fields__)
+        if not isinstance(data, dict) or set(data) != fields:
+            have = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"a ReferenceGPU JSON needs exactly {sorted(fields)}, got {have}")
+        peaks = data["peak_flops"]
+        if not isinstance(peaks, dict):
+            raise ValueError("peak_flops must map dtype names to FLOP/s, e.g. {'float32': 6.7e13}")
+        pairs = []
+        for dtype_name, flops in peaks.items():
+            dtype = getattr(torch, str(dtype_name), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"peak_flops: {dtype_name!r} is not a torch dtype name")
+            pairs.append((dtype, _number(flops, f"peak_flops[{dtype_name!r}]")))
+        sm_count = data["sm_count"]
+        if isinstance(sm_count, bool) or not isinstance(sm_count, int):
+            raise ValueError(f"sm_count must be an int, got {sm_count!r}")
+        if not isinstance(data["name"], str):
+            raise ValueError(f"name must be a string, got {data['name']!r}")
+        floors = {
+            key: _number(data[key], key) for key in ("kernel_floor_us", "launch_us", "fork_join_us")
+        }
+        if any(value < 0 for value in floors.values()):
+            raise ValueError(f"kernel_floor_us, launch_us and fork_join_us must be >= 0: {floors}")
+        return cls(
+            name=data["name"],
+            peak_flops=tuple(pairs),
+            memory_bandwidth=_number(data["memory_bandwidth"], "memory_bandwidth"),
+            sm_count=sm_count,
+            **floors,
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_json` to ``path``."""
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ReferenceGPU:
+        """The reference saved at ``path`` (see :meth:`from_json`; raises as it does, and
+        ``OSError`` if the file cannot be read)."""
+        with open(path, encoding="utf-8") as file:
+            return cls.from_json(file.read())
+
+
+def _number(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+GPULike = ReferenceGPU | str | os.PathLike[str]
+
+
+def as_reference_gpu(gpu: object, where: str = "gpu") -> ReferenceGPU | None:
+    """``gpu=`` as given to ``plan``, ``check`` or ``OOOModule``: a :class:`ReferenceGPU`,
+    a path to one's JSON (loaded now), or ``None`` for the default (:data:`H200`).
+
+    Raises:
+        OOOConfigError: anything else, or a path that cannot be read as a reference.
+    """
+    if gpu is None or isinstance(gpu, ReferenceGPU):
+        return gpu
+    if isinstance(gpu, (str, os.PathLike)):
+        try:
+            return ReferenceGPU.load(gpu)
+        except (OSError, ValueError) as error:
+            raise OOOConfigError(
+                f"{where}={os.fspath(gpu)!r}: cannot load a ReferenceGPU JSON from it "
+                f"({error}); write one with ReferenceGPU.save or the GPU kit"
+            ) from None
+    raise OOOConfigError(
+        f"{where} must be a ReferenceGPU, a path to its JSON or None, got {gpu!r}; "
+        "None estimates on the H200 datasheet figures"
+    )
 
 
 # NVIDIA H200 SXM datasheet, dense (no sparsity) peaks: FP64 34 TFLOPS (67 on tensor cores),

@@ -27,7 +27,7 @@ from . import _plan
 from ._accumulators import Accumulators
 from ._backend import Backend
 from ._bypass import eager_bypass_reason
-from ._cost import H200
+from ._cost import H200, ReferenceGPU
 from ._dataflow import learn, learn_plan
 from ._errors import OOOConfigError
 from ._events import EventKind, OOOEvent
@@ -42,9 +42,15 @@ __all__ = ["Learner", "finish", "learn_from_example", "pending_plan"]
 
 logger = logging.getLogger("ooo_wrap")
 
-# The reference GPU of the cost estimates the region rule uses (read at each learning, so
-# that tests of plan structure on tiny CPU models can make forks nearly free).
+# The reference GPU of the cost estimates the region rule uses where no ``gpu=`` was given
+# (read at each learning, so that tests of plan structure on tiny CPU models can make
+# forks nearly free).
 REFERENCE_GPU = H200
+
+
+def reference_gpu(gpu: ReferenceGPU | None) -> ReferenceGPU:
+    """``gpu``, or the default reference (:data:`REFERENCE_GPU`) for ``None``."""
+    return REFERENCE_GPU if gpu is None else gpu
 
 
 def pending_plan(streams: int) -> Plan:
@@ -61,10 +67,12 @@ def named_stages(model: nn.Module, streams: int, stages: Sequence[str] | None) -
     return None if static.source == "automatic" else static
 
 
-def _learned(model: nn.Module, record: CallRecord, streams: int, named: Plan | None) -> Plan:
+def _learned(
+    model: nn.Module, record: CallRecord, streams: int, named: Plan | None, gpu: ReferenceGPU
+) -> Plan:
     names = None if named is None else [stage.name for stage in named.stages]
     source: StageSource = "dataflow" if named is None else named.source
-    return learn(record, streams, gpu=REFERENCE_GPU, stages=names).to_plan(model, source)
+    return learn(record, streams, gpu=gpu, stages=names).to_plan(model, source)
 
 
 def learn_from_example(
@@ -73,6 +81,7 @@ def learn_from_example(
     stages: Sequence[str] | None,
     example_inputs: Sequence[Any] | None,
     example_kwargs: Mapping[str, Any] | None,
+    gpu: ReferenceGPU | None = None,
 ) -> Plan:
     """``ooo_wrap.plan(model, example_inputs=...)``: learn on a deep copy of ``model`` (its
     forward may update buffers, such as batch-norm statistics, which the caller's must not)."""
@@ -86,7 +95,7 @@ def learn_from_example(
     inputs = tuple(example_inputs or ())
     copied = copy.deepcopy(model)
     learned = learn_plan(
-        copied, inputs, example_kwargs, streams=streams, stages=names, gpu=REFERENCE_GPU
+        copied, inputs, example_kwargs, streams=streams, stages=names, gpu=reference_gpu(gpu)
     )
     return learned.to_plan(model, "dataflow" if named is None else named.source)
 
@@ -107,9 +116,12 @@ class Learner:
         device: torch.device,
         counters: Counters,
         accumulators: Accumulators,
+        *,
+        gpu: ReferenceGPU | None = None,
     ) -> None:
         self._counters = counters
         self._accumulators = accumulators
+        self._gpu = gpu  # None: the default reference, read when learning
         self._streams = streams
         self._stages = stages
         self._backend = backend
@@ -159,7 +171,7 @@ class Learner:
         # This forward runs inline: its parameters' accumulators are made on the caller's
         # stream (and released again before the first planned forward).
         self._accumulators.begin(module, "inline")
-        observer = Observer(module, gpu=REFERENCE_GPU, inside_root=True)
+        observer = Observer(module, gpu=reference_gpu(self._gpu), inside_root=True)
         try:
             observer.__enter__()
         except Exception as error:
@@ -181,7 +193,8 @@ class Learner:
             if raised:
                 return  # the forward raised: learn on the next one
             named = named_stages(module, self._streams, self._stages)
-            learned = _learned(module, observer.record, self._streams, named)
+            gpu = reference_gpu(self._gpu)
+            learned = _learned(module, observer.record, self._streams, named, gpu)
         except Exception as error:
             self._fail(module, f"learning the plan failed ({type(error).__name__}: {error})")
             return

@@ -9,6 +9,7 @@ from typing import Literal
 from typing_extensions import get_protocol_members
 
 from ._backend import Backend
+from ._cost import ReferenceGPU, as_reference_gpu
 from ._errors import OOOConfigError
 from ._plan import as_stage_names, check_streams
 
@@ -42,6 +43,8 @@ class WrapOptions:
             only if it is measurably faster: ``"auto"`` where the backend can time,
             ``True`` (the backend must be able to) or ``False``.
         tune_steps: counted steps per arm before tuning first decides, at least 2.
+        gpu: the reference GPU the planner estimates on (a measured one, from the GPU
+            kit); ``None`` for the default, the H200 datasheet figures.
     """
 
     streams: int = 4
@@ -52,9 +55,11 @@ class WrapOptions:
     overlap_forward: bool = False
     tune: Tune = "auto"
     tune_steps: int = 6
+    gpu: ReferenceGPU | None = None
 
     def __post_init__(self) -> None:
         check_streams(self.streams)
+        object.__setattr__(self, "gpu", as_reference_gpu(self.gpu))
         if self.stages is not None:
             # A tuple, normalised once here, so that the frozen options stay immutable.
             object.__setattr__(self, "stages", tuple(as_stage_names(self.stages, "stages=")))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from ._cost import GPULike, ReferenceGPU, as_reference_gpu
 from ._errors import OOOConfigError, did_you_mean, positive_int
 
 if TYPE_CHECKING:
@@ -116,7 +117,14 @@ def check_streams(streams: object, where: str = "streams") -> int:
 # imported (``_wrap`` imports it), so that this module stays below the planner it feeds.
 learn_from_example: (
     Callable[
-        [nn.Module, int, Sequence[str] | None, Sequence[Any] | None, Mapping[str, Any] | None],
+        [
+            nn.Module,
+            int,
+            Sequence[str] | None,
+            Sequence[Any] | None,
+            Mapping[str, Any] | None,
+            ReferenceGPU | None,
+        ],
         Plan,
     ]
     | None
@@ -130,6 +138,7 @@ def plan(
     stages: Sequence[str] | None = None,
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
+    gpu: GPULike | None = None,
 ) -> Plan:
     """Work out the stages of ``model`` and their streams, without touching any device.
 
@@ -152,6 +161,10 @@ def plan(
         stages: dotted sub-module names, overriding ``ooo_stage_names`` and expansion.
         example_inputs: positional inputs of one forward: learn the plan from its dataflow.
         example_kwargs: keyword inputs of that forward.
+        gpu: the reference GPU the learned plan's estimates use: an
+            ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (such as the one the GPU
+            kit measures); ``None`` for the H200 datasheet figures. Only read when
+            learning (with example inputs).
 
     Returns:
         The :class:`Plan`; ``print(plan)`` shows it as a table.
@@ -159,20 +172,26 @@ def plan(
     Raises:
         OOOConfigError: ``model`` is not a module, ``streams`` is not a positive int,
             the names given are empty, or a stage name is unknown, repeated, the root, a
-            ``ModuleList``/``ModuleDict`` (never called), or nested with another stage.
+            ``ModuleList``/``ModuleDict`` (never called), or nested with another stage;
+            or ``gpu`` is neither a ``ReferenceGPU`` nor a readable path to one's JSON.
 
     Example::
 
         >>> print(ooo_wrap.plan(model, streams=2))
+        >>> measured = ooo_wrap.ReferenceGPU.load("reference_gpu.json")
+        >>> print(ooo_wrap.plan(model, example_inputs=(x,), gpu=measured))
     """
     if not isinstance(model, nn.Module):
         raise OOOConfigError(
             f"expected a torch.nn.Module, got {type(model).__name__}; pass the model itself"
         )
     max_streams = check_streams(streams)
+    reference = as_reference_gpu(gpu)
     if example_inputs is not None or example_kwargs is not None:
         assert learn_from_example is not None, "ooo_wrap._learn registers it on import"
-        return learn_from_example(model, max_streams, stages, example_inputs, example_kwargs)
+        return learn_from_example(
+            model, max_streams, stages, example_inputs, example_kwargs, reference
+        )
     source: StageSource
     if stages is not None:
         names, source = as_stage_names(stages, "stages="), "argument"

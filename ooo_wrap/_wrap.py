@@ -19,6 +19,7 @@ from ._accumulators import Accumulators
 from ._backend import AcceleratorBackend, Backend, clock_of
 from ._classswap import build_original, wrapped_class
 from ._compat import forward_hook_dicts, is_compiled_module
+from ._cost import GPULike, as_reference_gpu
 from ._errors import OOOConfigError, OOOError, warn_user
 from ._events import EventKind, EventLog, OOOEvent
 from ._learn import Learner, finish, named_stages, pending_plan
@@ -154,6 +155,9 @@ class OOOModule(nn.Module):
             ``model.tuning`` shows the measurement.
         tune_steps: counted steps per arm before tuning decides (more pairs run, up to
             three times as many, while the difference is within the noise).
+        gpu: the reference GPU the ``dataflow`` planner estimates on: an
+            ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (the GPU kit writes one
+            measured on its device); ``None`` for the H200 datasheet figures.
 
     Returns:
         ``model`` itself, wrapped or untouched.
@@ -163,7 +167,8 @@ class OOOModule(nn.Module):
             ``DistributedDataParallel`` (wrap first, then DDP), ``streams`` is not a
             positive int, ``profile_ranges`` or ``overlap_forward`` is not a bool,
             ``tune`` is not a bool or ``"auto"``, ``tune=True`` on a backend that cannot
-            time steps, ``tune_steps`` is below 2, ``backend`` is not a backend, or the
+            time steps, ``tune_steps`` is below 2, ``backend`` is not a backend, ``gpu``
+            is neither a ``ReferenceGPU`` nor a readable path to one's JSON, or the
             stage names are empty, unknown, repeated, the root, a container or nested
             (see :func:`ooo_wrap.plan`).
 
@@ -186,11 +191,20 @@ class OOOModule(nn.Module):
         overlap_forward: bool = False,
         tune: Tune = "auto",
         tune_steps: int = 6,
+        gpu: GPULike | None = None,
     ) -> Any:
         if cls is not OOOModule:  # OOO<Cls> has its own __new__ (_classswap.py)
             return super().__new__(cls)
         options = WrapOptions(
-            streams, stages, backend, profile_ranges, planner, overlap_forward, tune, tune_steps
+            streams,
+            stages,
+            backend,
+            profile_ranges,
+            planner,
+            overlap_forward,
+            tune,
+            tune_steps,
+            as_reference_gpu(gpu),
         )
         return _wrap(model, options)
 
@@ -559,7 +573,13 @@ def _start_learner(state: _WrapState, device: torch.device) -> None:
     options = state.options
     state.plan = pending_plan(options.streams)
     learner = Learner(
-        options.streams, options.stages, state.backend, device, state.counters, state.accumulators
+        options.streams,
+        options.stages,
+        state.backend,
+        device,
+        state.counters,
+        state.accumulators,
+        gpu=options.gpu,
     )
     # The learner holds no reference to the model (a wrap state must not keep it alive).
     learner.finish = lambda model, the_plan, why: finish(

@@ -6,8 +6,10 @@
 #
 # Nothing is installed and nothing is downloaded: torch with CUDA, pytest (pytest-timeout
 # if present), numpy and matplotlib must already be there. The checkout is used through
-# PYTHONPATH. Four files go to $OUT (else gpu_check_out/<UTC time>/): summary.md,
-# gpu_check.log (every step's output), benchmark_<time>.json and its .png. summary.md is
+# PYTHONPATH. Five files go to $OUT (else gpu_check_out/<UTC time>/): summary.md,
+# gpu_check.log (every step's output), benchmark_<time>.json and its .png, and
+# reference_gpu_<time>.json (launch, fork/join and kernel floor measured on this GPU, as a
+# ooo_wrap.ReferenceGPU: pass it as gpu= or --gpu PATH). summary.md is
 # rewritten after every step, and the JSON after every benchmark point, so a run stopped
 # from outside keeps what it had. Steps, each given what is left of the time budget; one
 # that cannot get its minimum is "not run", not failed:
@@ -49,6 +51,7 @@ LOG="$OUT_DIR/gpu_check.log"
 SUMMARY="$OUT_DIR/summary.md"
 JSON="$OUT_DIR/benchmark_$STAMP.json"
 PLOT="$OUT_DIR/benchmark_$STAMP.png"
+REFERENCE_GPU="$OUT_DIR/reference_gpu_$STAMP.json" # launch, fork/join, kernel floor measured
 WORK="$(mktemp -d)" # step reports the verdicts are read from; never in $OUT
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" # this checkout, whatever is installed
@@ -245,7 +248,8 @@ if starts "$name" 30; then
   say "$name ($MODE), new points for ${points_s}s, at most ${step_limit}s"
   rc=0
   run_limited "$step_limit" "$PYTHON" benchmarks/suite.py --require-gpu "${sweep[@]}" \
-    "${modes[@]}" --budget-s "$points_s" --json "$JSON" --plot "$PLOT" || rc=$?
+    "${modes[@]}" --budget-s "$points_s" --json "$JSON" --plot "$PLOT" \
+    --reference-gpu "$REFERENCE_GPU" || rc=$?
   v=0
   detail=$("$PYTHON" scripts/gpu_kit.py bench "$JSON" --exit-status "$rc") || v=$?
   if [[ -f "$JSON" ]]; then

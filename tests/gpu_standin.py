@@ -12,7 +12,8 @@ kit runs, keeping the kit's own logic (time limits, verdicts, files, summary) re
 - ``scripts/sanitizer_check.py`` runs its real ``main`` with the GPU work replaced: clean
   runs succeed, the deliberate races raise an error named as the sanitizer's does;
 - ``benchmarks/suite.py`` runs its real ``main`` with ``measure_point`` replaced by a
-  record of fixed numbers for every mode asked for (a graphed wrapped side reports the
+  record of fixed numbers for every mode asked for (and the calibration's measurements,
+  ``benchmarks/calibrate.measure``, by fixed floors) (a graphed wrapped side reports the
   wrapper inline under capture, as today's wrapper runs it); the point at batch
   ``STANDIN_FAIL_BATCH`` raises, and the graphed modes of the family
   ``STANDIN_FAIL_CAPTURE`` fail to capture;
@@ -210,6 +211,13 @@ def _suite(args: list[str]) -> int:
         return record
 
     suite.measure_point = measure_point  # type: ignore[assignment]
+    suite.calibrate.measure = lambda device=None, **kwargs: {
+        "device": GPU_NAME,
+        "sm_count": 132,
+        "launch_us": 4.0,
+        "kernel_floor_us": 1.5,
+        "fork_join_us": 12.0,
+    }
     suite.overhead.measure = lambda repeats, calls: {
         "plain_us_per_forward": 70.0,
         "wrapped_us_per_forward": 150.0,

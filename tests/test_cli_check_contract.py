@@ -20,7 +20,7 @@ from tests.cli_factories import TokensAndFeatures
 from tests.cli_helpers import run_cli
 
 REAL_CHECK = ooo_wrap.testing.check
-DEFAULTS = {"overlap_forward": False, "capture": False, "example_kwargs": None}
+DEFAULTS = {"overlap_forward": False, "capture": False, "example_kwargs": None, "gpu": None}
 
 
 class FakeReport:

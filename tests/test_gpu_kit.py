@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ooo_wrap
 from scripts import gpu_kit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,10 +65,16 @@ def test_full_dry_run_keeps_a_failing_point_and_at_most_eight_files(tmp_path: Pa
     status, out, output = _kit(tmp_path, **failing, **no_git)
     files = _files(out)
     assert len(files) <= MAX_FILES, files
-    assert {f.split("_")[0] for f in files} == {"benchmark", "gpu", "summary.md"}
+    assert {f.split("_")[0] for f in files} == {"benchmark", "gpu", "reference", "summary.md"}
     assert [f for f in files if f.endswith((".json", ".png"))] == [
-        f for f in files if f.startswith("benchmark_")
+        f for f in files if f.startswith(("benchmark_", "reference_gpu_"))
     ]
+    # The floors measured on the device, as a ReferenceGPU that plan()/check() take.
+    (reference,) = out.glob("reference_gpu_*.json")
+    gpu = ooo_wrap.ReferenceGPU.load(reference)
+    assert (gpu.launch_us, gpu.kernel_floor_us, gpu.fork_join_us) == (4.0, 1.5, 12.0)
+    assert gpu.name.startswith("Stand-in GPU (CPU dry run) (measured launch")
+    assert gpu.peak_flops == ooo_wrap.H200.peak_flops
     summary = (out / "summary.md").read_text()
     rows = _rows(summary)
     assert rows["preflight"][0] == "PASS"
@@ -129,6 +136,7 @@ def test_quick_dry_run_passes_with_three_points_and_no_optional_step(tmp_path: P
     ]
     assert data["settings"]["steps"] == 15 and data["settings"]["warmup"] == 3
     _assert_every_mode_measured(data, summary, float32_points=6, budget_s=25)
+    assert len(list(out.glob("reference_gpu_*.json"))) == 1
     assert "(quick)" in summary
     assert summary.rstrip().endswith("RESULT: every required check passed")
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._cost import H200, GPULike, as_reference_gpu
 from .._errors import OOOConfigError, positive_int
 from .._events import EventKind
 from .._options import Planner
@@ -43,6 +44,7 @@ def check(
     planner: Planner = "dataflow",
     overlap_forward: bool = False,
     capture: bool = False,
+    gpu: GPULike | None = None,
 ) -> CheckReport:
     """Train a copy of ``model`` on virtual streams and report every stream race.
 
@@ -75,6 +77,9 @@ def check(
             rejoins before its end, no host read or other host sync inside); parity
             with the plain copy is still bitwise. With the ``dataflow`` planner it needs
             ``steps >= 2``: the plan is learned on an eager first step.
+        gpu: the reference GPU of the estimates (the wrapper's planner, each op's cost,
+            the report's timeline): an ``ooo_wrap.ReferenceGPU`` or the path of one's
+            JSON, such as the GPU kit measures; ``None`` for the H200 datasheet figures.
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
@@ -86,8 +91,9 @@ def check(
     Raises:
         OOOConfigError: ``model`` is already wrapped, ``steps`` is not a positive int
             (or below 2 with ``capture`` and the ``dataflow`` planner), or the output
-            has no floating-point tensor that requires grad (pass ``loss_fn``); also
-            the wrapper's own configuration errors.
+            has no floating-point tensor that requires grad (pass ``loss_fn``), or
+            ``gpu`` is neither a ``ReferenceGPU`` nor a readable path to one's JSON;
+            also the wrapper's own configuration errors.
         CaptureError: with ``capture``, the captured step broke a rule of CUDA stream
             capture (the message names the stream and the rule).
 
@@ -108,6 +114,7 @@ def check(
             "check(capture=True) with the dataflow planner needs steps >= 2: the plan is "
             "learned on an eager first step, and only a later step can be captured"
         )
+    measured = as_reference_gpu(gpu)
     backend = DetectingBackend()
     kwargs = dict(example_kwargs or {})
     model = _materialized(model, inputs, kwargs)
@@ -118,10 +125,11 @@ def check(
         backend=backend,
         planner=planner,
         overlap_forward=overlap_forward,
+        gpu=measured,
     )
     plain = copy.deepcopy(model)
     wrapped_inputs, plain_inputs = _fresh((inputs, kwargs)), _fresh((inputs, kwargs))
-    with detect(backend, keep_alive=[wrapped]) as found:
+    with detect(backend, keep_alive=[wrapped], gpu=measured or H200) as found:
         handles = _label_stages(wrapped, found)
         try:
             checked = _train(wrapped, wrapped_inputs, loss_fn, steps, found, capture=capture)
@@ -148,6 +156,8 @@ def check(
         steps=steps,
         captured=capture,
         overlap_forward=overlap_forward,
+        gpu=measured or H200,
+        learning_step=1 if planner == "dataflow" else None,
         not_checked=_not_checked(
             wrapped, learned_on_last_step=planner == "dataflow" and steps == 1
         ),
@@ -308,12 +318,21 @@ def _label_stages(model: nn.Module, found: Detection) -> list[RemovableHandle]:
     labelled: set[str] = set()
 
     def label(*_: Any) -> None:
-        for stage in model.plan.stages:
-            if stage.name in labelled:
+        learned = model.plan.learned
+        # The stages, and the calls of branches the plan keeps on the caller's stream (no
+        # stage, but their ops are named after them in the trace).
+        names = [stage.name for stage in model.plan.stages]
+        for region in learned.regions if learned is not None else ():
+            names += [c for b in region.branches if b.stream is None for c in b.calls]
+        for name in names:
+            if name in labelled:
                 continue
-            labelled.add(stage.name)
-            module = model.get_submodule(stage.name)
-            push = functools.partial(_push, found, stage.name)
+            labelled.add(name)
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                continue  # not a module of this model: nothing to label
+            push = functools.partial(_push, found, name)
             handles.append(module.register_forward_pre_hook(push))
             pop = functools.partial(_pop, found)
             handles.append(module.register_forward_hook(pop, always_call=True))

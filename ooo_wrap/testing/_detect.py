@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-from .._cost import estimate_op
+from .._cost import H200, ReferenceGPU, estimate_op
 from .._intercept import OpInterceptor, intercept_new_threads
 from .._tensors import tensors_in
 from ._capture import SimulatedCapture, simulated_capture
@@ -129,10 +129,12 @@ class Detection:
         tracker: the happens-before bookkeeping (vector clocks, per-storage history).
         capture: the simulated graph capture underway (``backend.capturing()``), if any.
         captures: how many simulated captures ended with their rules kept.
+        gpu: the reference GPU each op's device time is estimated on.
     """
 
-    def __init__(self, backend: DetectingBackend) -> None:
+    def __init__(self, backend: DetectingBackend, gpu: ReferenceGPU = H200) -> None:
         self.backend = backend
+        self.gpu = gpu
         self.tracker = StreamTracker(origin=backend._peek_stream())
         self._events: dict[int, Clock] = {}
         self._engine = EngineModel(self)
@@ -252,7 +254,7 @@ class Detection:
                 stream, stage = consumer.stream, consumer.stage
             else:
                 stream, stage = self.stream_now(), self._stage_now()
-            cost = estimate_op(func, args, kwargs, out).device_us
+            cost = estimate_op(func, args, kwargs, out, self.gpu).device_us
             sync = None
             if self.capture is not None and not self._device_checks_now:
                 sync = host_sync(func, args, kwargs)
@@ -265,7 +267,8 @@ class Detection:
             key = storage_key(tensor)
             uses = [] if key is None else [TensorUse(tensor, key, is_write=False, fresh=False)]
             # The device-to-host copy, costed as the copy op it is.
-            cost = estimate_op(torch.ops.aten._to_copy.default, (tensor,), {}, tensor).device_us
+            copy = torch.ops.aten._to_copy.default
+            cost = estimate_op(copy, (tensor,), {}, tensor, self.gpu).device_us
             self._record(op, self.stream_now(), self._stage_now(), uses, cost, HOST_SYNCS[op])
 
     @contextlib.contextmanager
@@ -348,7 +351,10 @@ def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def detect(
-    backend: DetectingBackend | None = None, *, keep_alive: Iterable[torch.Tensor | nn.Module] = ()
+    backend: DetectingBackend | None = None,
+    *,
+    keep_alive: Iterable[torch.Tensor | nn.Module] = (),
+    gpu: ReferenceGPU = H200,
 ) -> Iterator[Detection]:
     """Run a block on virtual streams under the race detector.
 
@@ -361,6 +367,7 @@ def detect(
             ``None`` (reach it as ``detection.backend``).
         keep_alive: tensors or modules whose memory is never freed mid-step (see
             :meth:`Detection.keep_alive`).
+        gpu: the reference GPU the recorded ops' device times are estimated on.
 
     Yields:
         the :class:`Detection`, whose ``races`` and ``allocator_hazards`` are final
@@ -382,7 +389,7 @@ def detect(
     backend = backend if backend is not None else DetectingBackend()
     if backend._detection is not None:
         raise RuntimeError("this backend is already inside a detect() block")
-    detection = Detection(backend)
+    detection = Detection(backend, gpu)
     detection.keep_alive(*keep_alive)
     backend._detection = detection
     token = _active.set(detection)

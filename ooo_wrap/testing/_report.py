@@ -8,8 +8,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._cost import H200, ReferenceGPU
 from .._errors import OOOError
 from .._plan import plural
+from ._picture import save_picture, step_spans
 from ._timeline import Slot, Timeline, lay_out, split_steps
 from ._tracker import AllocatorHazard, OpRecord, Race
 
@@ -101,6 +103,10 @@ class CheckReport:
         not_checked: why nothing was checked, when the wrapper fell back (the model then
             ran with standard backward, so there were no side streams to check); ``None``
             when the wrapped model was checked.
+        gpu: the reference GPU the timeline and :attr:`estimate` are estimated on.
+        learning_step: the step (from 1) that ran inline while the ``dataflow`` planner
+            learned the plan, marked in :meth:`save_timeline` and :meth:`save_trace`;
+            ``None`` when no step did (the ``static`` planner).
 
     Example::
 
@@ -108,6 +114,7 @@ class CheckReport:
         >>> print(report)
         >>> report.raise_if_failed()
         >>> report.save_trace("trace.json")   # open in https://ui.perfetto.dev
+        >>> report.save_timeline("timeline.svg")
     """
 
     races: tuple[Race, ...]
@@ -120,6 +127,8 @@ class CheckReport:
     captured: bool = False
     not_checked: str | None = None
     overlap_forward: bool = False
+    gpu: ReferenceGPU = H200
+    learning_step: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -165,7 +174,8 @@ class CheckReport:
         """The last step's estimated length on the wrapped schedule and on one stream."""
         steps = split_steps(self.trace)
         last = steps[-1] if steps else []
-        wrapped, serial = lay_out(last), lay_out(last, one_stream=True)
+        wrapped = lay_out(last, gpu=self.gpu)
+        serial = lay_out(last, one_stream=True, gpu=self.gpu)
         return StepEstimate(wrapped.length_us, serial.length_us, wrapped.gpu.name)
 
     def raise_if_failed(self) -> None:
@@ -181,11 +191,47 @@ class CheckReport:
         ``ooo_wrap.testing._timeline`` describes (host launches in order, each stream in
         order, every wait honoured). Waits are flow arrows from the op waited for to the
         first op after the wait; each race is an arrow between its two accesses plus a
-        marker on the later one; each allocator hazard a marker on its access.
+        marker on the later one; each allocator hazard a marker on its access. Each
+        training step is an async slice (``ph`` ``b``/``e``, category ``training_step``,
+        the learning step named so) with an instant event where it starts. Each op's
+        args carry its stage (also for ops of a branch the plan kept on the caller's
+        stream), stream, phase and number.
         """
-        timeline = lay_out(self.trace)
+        timeline = lay_out(self.trace, gpu=self.gpu)
         with open(path, "w", encoding="utf-8") as file:
             json.dump({"traceEvents": trace_events(timeline, self), "displayTimeUnit": "ns"}, file)
+
+    def save_timeline(self, path: str | os.PathLike[str]) -> None:
+        """Draw the estimated timeline of every step checked, as SVG or PNG.
+
+        One lane per virtual stream; each op a box coloured by phase (forward, backward,
+        optimizer step; hover an SVG box for its op, stage and times); each wait an
+        arrow from the op waited for to the op after the wait; a dashed line where each
+        step starts, and the step that ran inline while the plan was learned shaded.
+        Laid out as :meth:`save_trace` lays it out; the title names the reference GPU
+        and says it is an estimate, never a measurement.
+
+        Args:
+            path: ``*.svg`` writes a self-contained SVG (no dependency); ``*.png`` draws
+                with matplotlib (the ``plot`` extra: ``pip install 'ooo-wrap[plot]'``).
+
+        Raises:
+            OOOConfigError: ``path`` ends in neither ``.svg`` nor ``.png``.
+            OOOError: a ``.png`` without matplotlib installed (the message names the
+                extra), or a report with nothing checked (no ops to draw).
+
+        Example::
+
+            >>> report = ooo_wrap.testing.check(model, x)
+            >>> report.save_timeline("timeline.svg")   # open in a browser
+        """
+        if not self.trace:
+            raise OOOError(
+                "save_timeline(): this report has no ops to draw "
+                f"({self.not_checked or 'nothing was recorded'})"
+            )
+        timeline = lay_out(self.trace, gpu=self.gpu)
+        save_picture(timeline, path, learning_step=self.learning_step, subtitle=str(self.estimate))
 
 
 def trace_events(timeline: Timeline, report: CheckReport) -> list[dict[str, object]]:
@@ -197,6 +243,25 @@ def trace_events(timeline: Timeline, report: CheckReport) -> list[dict[str, obje
     for index, name in sorted({(s.record.stream_index, s.record.stream) for s in timeline.slots}):
         events.append(
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": index, "args": {"name": name}}
+        )
+    # Each training step as an async slice (its own track in Perfetto; "X" events stay
+    # one per op) and an instant event where it starts.
+    for step in step_spans(timeline, report.learning_step):
+        name = f"step {step.index}" + (" (learning: ran inline)" if step.learning else "")
+        common = {"cat": "training_step", "pid": 1, "tid": 0, "id": f"step{step.index}"}
+        args = {"step": step.index, "learning": step.learning}
+        events.append({"ph": "b", "name": name, "ts": step.start, "args": args, **common})
+        events.append({"ph": "e", "name": name, "ts": step.end, **common})
+        events.append(
+            {
+                "ph": "i",
+                "s": "g",
+                "name": f"step {step.index} starts",
+                "cat": "training_step",
+                "pid": 1,
+                "tid": 0,
+                "ts": step.start,
+            }
         )
     by_seq = {slot.record.seq: slot for slot in timeline.slots}
     for slot in timeline.slots:
@@ -210,7 +275,12 @@ def trace_events(timeline: Timeline, report: CheckReport) -> list[dict[str, obje
                 "tid": record.stream_index,
                 "ts": slot.start,
                 "dur": slot.end - slot.start,
-                "args": {"stage": record.stage or "", "phase": record.phase, "seq": record.seq},
+                "args": {
+                    "stage": record.stage or "",
+                    "stream": record.stream,
+                    "phase": record.phase,
+                    "seq": record.seq,
+                },
             }
         )
     arrows = [("wait", source, target) for source, target in timeline.waits]
