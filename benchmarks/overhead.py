@@ -186,6 +186,69 @@ def measure(
     }
 
 
+class NullClock:
+    """A step clock whose marks cost nothing and are never passed: tuning stays pending."""
+
+    device_name = "null"
+
+    def mark(self, stream: object) -> object:
+        return object()
+
+    def done(self, mark: object) -> bool:
+        return False
+
+    def synchronize(self, mark: object) -> None:
+        pass
+
+    def elapsed_ms(self, start: object, end: object) -> float:
+        return 0.0
+
+
+class TimingNullBackend(NullBackend):
+    """:class:`NullBackend` with :class:`NullClock`: a wrapped model tunes on it."""
+
+    def step_clock(self, device: torch.device) -> NullClock:
+        return NullClock()
+
+
+# Forwards a fresh model tunes for before its cap (the default tune_steps=6: two warm-ups
+# and three rounds of six pairs), all timed while its tuning is pending.
+TUNING_FORWARDS = 36
+
+
+def measure_tuning(repeats: int = 30, warmup: int = 3) -> dict[str, float]:
+    """Median µs per forward of the chain: plain, wrapped with ``tune=False``, and wrapped
+    while measured tuning is pending (its first forwards: alternating plain and planned
+    steps, a timing mark and a stream query each). Each repeat wraps fresh copies."""
+    plain = Chain()
+    x = torch.ones(1)
+
+    def tuned_sides() -> tuple[nn.Module, nn.Module]:
+        fixed = ooo_wrap.OOOModule(
+            copy.deepcopy(plain), backend=NullBackend(), planner="static", tune=False
+        )
+        tuning = ooo_wrap.OOOModule(
+            copy.deepcopy(plain), backend=TimingNullBackend(), planner="static", tune=True
+        )
+        return fixed, tuning
+
+    for _ in range(warmup):
+        for side in (plain, *tuned_sides()):
+            _time_forwards(side, x, TUNING_FORWARDS)
+    plain_us, fixed_us, tuning_us = [], [], []
+    for _ in range(repeats):  # interleaved, fresh wrapped copies each time
+        fixed, tuning = tuned_sides()
+        plain_us.append(_time_forwards(plain, x, TUNING_FORWARDS) / TUNING_FORWARDS * 1e6)
+        fixed_us.append(_time_forwards(fixed, x, TUNING_FORWARDS) / TUNING_FORWARDS * 1e6)
+        tuning_us.append(_time_forwards(tuning, x, TUNING_FORWARDS) / TUNING_FORWARDS * 1e6)
+        assert tuning.tuning is not None and tuning.tuning.decision == "pending"
+    return {
+        "plain_us_per_forward": statistics.median(plain_us),
+        "untuned_us_per_forward": statistics.median(fixed_us),
+        "tuning_us_per_forward": statistics.median(tuning_us),
+    }
+
+
 def overlap_sides(plain: nn.Module) -> dict[str, nn.Module]:
     """``plain`` and two wrapped copies, eager joins and ``overlap_forward=True``, both with
     the static plan: the default ``dataflow`` planner would find these one-op stages too
@@ -334,6 +397,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--calls", type=int, default=200, help="forwards per timed repeat")
     parser.add_argument(
+        "--tuning",
+        action="store_true",
+        help="time forwards while measured tuning is pending against tune=False and plain",
+    )
+    parser.add_argument(
         "--profile-ranges", action="store_true", help="wrap with profile_ranges=True"
     )
     parser.add_argument(
@@ -348,6 +416,16 @@ def main() -> None:
         help="also time the ooo_wrap package under DIR, interleaved in this process",
     )
     args = parser.parse_args()
+    if args.tuning:
+        tuning = measure_tuning(args.repeats)
+        print(f"torch {torch.__version__}, {NUM_STAGES} stages, median of {args.repeats} repeats")
+        print(
+            f"µs per forward, first {TUNING_FORWARDS} forwards: plain "
+            f"{tuning['plain_us_per_forward']:.1f}, wrapped tune=False "
+            f"{tuning['untuned_us_per_forward']:.1f}, wrapped while tuning "
+            f"{tuning['tuning_us_per_forward']:.1f} (half its steps plain, stages inline)"
+        )
+        return
     if args.compare_with:
         both = compare(args.compare_with, args.repeats, args.calls)
         print(

@@ -1022,3 +1022,9 @@ def test_every_wrapped_side_of_the_overhead_benchmarks_runs_its_hooks(name: str)
         model(x)
         assert model.stats.stage_calls == 2 * overhead.NUM_STAGES, (side, model.stats)
     assert sides["overlap"].stats.joins > 0
+
+
+def test_overhead_times_forwards_while_tuning_is_pending() -> None:
+    result = overhead.measure_tuning(repeats=2, warmup=1)
+    assert result["plain_us_per_forward"] > 0
+    assert result["untuned_us_per_forward"] > 0 and result["tuning_us_per_forward"] > 0
