@@ -42,6 +42,7 @@ class OpRecord:
     writes: tuple[StorageKey, ...]  # existing storages written in place (or ``out=``)
     fresh: tuple[StorageKey, ...]  # storages the op allocated (and wrote)
     device_us: float
+    occupancy: float = 1.0  # fraction of the GPU its kernel fills (``_cost.OpCost``)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,8 @@ class Observer:
     ) -> None:
         self._model = model
         self._inside_root = inside_root
-        self._op_cost = op_cost or (lambda f, a, k, o: estimate_op(f, a, k, o, gpu).device_us)
+        self._gpu = gpu
+        self._op_cost = op_cost
         self._stack: list[_OpenCall] = []
         self._top: list[CallRecord] = []
         self._next_id = 0
@@ -230,8 +232,13 @@ class Observer:
         if not self._stack:  # an op outside any module call (e.g. building inputs)
             return
         reads, writes, fresh = _uses(func, args, kwargs, out)
-        cost = float(self._op_cost(func, args, kwargs, out))
-        op = OpRecord(str(func), tuple(reads), tuple(writes), tuple(fresh), cost)
+        occupancy = 1.0
+        if self._op_cost is None:
+            estimate = estimate_op(func, args, kwargs, out, self._gpu)
+            cost, occupancy = estimate.device_us, estimate.occupancy
+        else:
+            cost = float(self._op_cost(func, args, kwargs, out))
+        op = OpRecord(str(func), tuple(reads), tuple(writes), tuple(fresh), cost, occupancy)
         self._stack[-1].items.append(op)
         self._stack[-1].device_us += cost
 
