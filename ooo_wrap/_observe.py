@@ -55,12 +55,15 @@ class CallRecord:
         call_id: position of this call in the forward (pre-order), unique in one record.
         items: the call's own ops and its child calls, in the order they ran.
         device_us: estimated device time of every op inside the call, children included.
+        params: ``(numel, element size)`` of each parameter of the module itself that
+            requires grad, on its first call only (what an optimizer step updates).
     """
 
     name: str
     call_id: int
     items: tuple[OpRecord | CallRecord, ...]
     device_us: float
+    params: tuple[tuple[int, int], ...] = ()
 
     @property
     def children(self) -> tuple[CallRecord, ...]:
@@ -124,6 +127,7 @@ class _OpenCall:
     call_id: int
     items: list[OpRecord | CallRecord] = field(default_factory=list)
     device_us: float = 0.0
+    params: tuple[tuple[int, int], ...] = ()
 
 
 class Observer:
@@ -162,6 +166,7 @@ class Observer:
         self._next_id = 0
         self._handles: list[RemovableHandle] = []
         self._mode: OpInterceptor | None = None
+        self._seen_params: set[int] = set()
 
     @property
     def record(self) -> CallRecord:
@@ -204,7 +209,12 @@ class Observer:
 
     def _pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
-            self._stack.append(_OpenCall(name, self._next_id))
+            params = []
+            for param in module.parameters(recurse=False):
+                if param.requires_grad and id(param) not in self._seen_params:
+                    self._seen_params.add(id(param))
+                    params.append((param.numel(), param.element_size()))
+            self._stack.append(_OpenCall(name, self._next_id, params=tuple(params)))
             self._next_id += 1
 
         return hook
@@ -213,7 +223,7 @@ class Observer:
         if not self._stack:
             return
         done = self._stack.pop()
-        record = CallRecord(done.name, done.call_id, tuple(done.items), done.device_us)
+        record = CallRecord(done.name, done.call_id, tuple(done.items), done.device_us, done.params)
         if self._stack:
             self._stack[-1].items.append(record)
             self._stack[-1].device_us += record.device_us

@@ -26,7 +26,9 @@ engine runs one host thread per device and, among ready nodes, the one created l
 it issues the nodes in reverse creation order; each forward kernel's backward runs on the
 stream of its forward, costs ``BACKWARD_FACTOR`` times its device time and takes
 ``BACKWARD_LAUNCHES`` launches; a gradient crossing streams is an event wait. Every stage
-call costs a fork and a join each way (forward, and its backward's wait back).
+call costs a fork and a join each way (forward, and its backward's wait back). The loss
+is two small kernels after the forward (a reduction and its gradient's seed); the step
+ends with an optimizer update per parameter on the caller's stream (an SGD ``add_``).
 """
 
 from __future__ import annotations
@@ -52,9 +54,9 @@ __all__ = [
 
 # The backward of a forward kernel: about 1.5x its device time (two matmuls per forward
 # matmul, but no input gradient for the first layer and cheap elementwise backwards),
-# in about 1.5 kernels.
+# in about 1.75 kernels (a linear layer's backward is two matmuls and a bias reduction).
 BACKWARD_FACTOR = 1.5
-BACKWARD_LAUNCHES = 1.5
+BACKWARD_LAUNCHES = 1.75
 
 _EPS = 1e-9
 
@@ -117,8 +119,12 @@ class StepEstimate:
         )
 
 
-def simulate(ops: Sequence[SimOp]) -> SimResult:
-    """Run ``ops`` on the model of the module docstring; waits on unknown indices are met."""
+def simulate(ops: Sequence[SimOp], *, share: bool = True) -> SimResult:
+    """Run ``ops`` on the model of the module docstring; waits on unknown indices are met.
+
+    ``share=False``: concurrent kernels never slow each other (an upper bound on overlap,
+    for tests of plan structure on models whose kernels fill the GPU).
+    """
     n = len(ops)
     starts = [0.0] * n
     ends: list[float | None] = [None] * n
@@ -172,7 +178,7 @@ def simulate(ops: Sequence[SimOp]) -> SimResult:
             continue
         sharing = [i for i in busy.values() if work[i] > _EPS]
         total = sum(min(max(ops[i].occupancy, _EPS), 1.0) for i in sharing)
-        rate = 1.0 if total <= 1.0 else 1.0 / total
+        rate = 1.0 if total <= 1.0 or not share else 1.0 / total
         step = [work[i] / rate if work[i] > _EPS else tail[i] for i in busy.values()]
         candidates = [now + s for s in step]
         if blocked is None and issued < n:
@@ -211,6 +217,7 @@ def step_ops(
     caller goes on; the backward is the forward reversed (module docstring).
     ``one_stream``: the same ops on one stream, with no fork, join or wait.
     """
+    from ._cost import ELEMENTS_PER_BLOCK
     from ._observe import CallRecord as Call
 
     ops: list[SimOp] = []
@@ -264,6 +271,8 @@ def step_ops(
                 fwd.append((index, stream, item))
 
     visit(record, 0)
+    for _ in range(2):  # the loss (a reduction of the output) and its gradient's seed
+        add(SimOp(0, floor, 1 / gpu.sm_count, host_us=gpu.launch_us, floor_us=floor))
     # Backward: the forward kernels in reverse order, each after its consumers' backward.
     producer: dict[int, int] = {}  # storage -> position in ``fwd`` of its last writer
     consumers: list[list[int]] = [[] for _ in fwd]
@@ -302,13 +311,21 @@ def step_ops(
     if sides:  # the caller's stream waits for every side stream at the end of backward
         waits = tuple(last[s] for s in sides)
         add(SimOp(0, 0.0, waits=waits, host_us=half * len(waits)))
+    # The optimizer step on the caller's stream: one update per parameter, reading it and
+    # its gradient and writing it back.
+    for call in record.calls():
+        for numel, size in call.params:
+            blocks = max(1, -(-numel // ELEMENTS_PER_BLOCK))
+            occupancy = min(1.0, blocks / gpu.sm_count)
+            device = 3 * numel * size / (gpu.memory_bandwidth * occupancy) * 1e6 + floor
+            add(SimOp(0, device, occupancy, host_us=gpu.launch_us, floor_us=floor))
     return ops
 
 
 def estimate_step(
-    record: CallRecord, stage_stream: Mapping[int, int], gpu: ReferenceGPU
+    record: CallRecord, stage_stream: Mapping[int, int], gpu: ReferenceGPU, *, share: bool = True
 ) -> StepEstimate:
     """The simulated step of ``record`` with ``stage_stream`` against one stream."""
-    wrapped = simulate(step_ops(record, stage_stream, gpu)).length_us
-    serial = simulate(step_ops(record, {}, gpu, one_stream=True)).length_us
+    wrapped = simulate(step_ops(record, stage_stream, gpu), share=share).length_us
+    serial = simulate(step_ops(record, {}, gpu, one_stream=True), share=share).length_us
     return StepEstimate(wrapped, serial, gpu.name)

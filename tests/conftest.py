@@ -18,3 +18,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def regions_by_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner keeps every region its region rule finds, not only those the simulated
+    step pays for: for tests of plan structure (which branch goes where) on small models."""
+    from ooo_wrap import _dataflow
+
+    monkeypatch.setattr(_dataflow, "BY_SIMULATION", False)

@@ -35,11 +35,15 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]] 
 
 @functools.cache
 def learned_case(case: str) -> tuple[nn.Module, LearnedPlan]:
-    """The model of ``case`` and its plan for 4 streams, learned once per test session."""
+    """The model of ``case`` and its plan for 4 streams, learned once per test session.
+
+    These cases test plan structure, so every region the region rule finds is kept
+    (``tests/test_simulate.py`` covers which ones the simulated step pays for).
+    """
     make, inputs = CASES[case]
     torch.manual_seed(0)
     model = make()
-    return model, learn_plan(model, inputs(), streams=4)
+    return model, learn_plan(model, inputs(), streams=4, by_simulation=False)
 
 
 @pytest.fixture
@@ -118,6 +122,7 @@ def test_chains_have_no_parallelism_and_name_their_longest_chain(
     assert learned.to_plan(model).stages == ()
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     _, learned = learned_case("two_tower")
     streams = learned.stage_streams
@@ -142,6 +147,7 @@ def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     assert free.count_edges(streams).chain_splits == 0
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 def test_moe_finds_shared_against_routed_and_the_experts_apart() -> None:
     _, learned = learned_case("moe")
     root, experts = learned.regions
@@ -199,6 +205,7 @@ def test_the_table_labels_estimates_with_the_reference_gpu(
     assert learned.fork_join_us == H200.fork_join_us * len(learned.stages)
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 def test_the_table_header_counts_in_the_singular_and_plural(
     inception: tuple[nn.Module, LearnedPlan],
 ) -> None:
@@ -224,6 +231,7 @@ class InceptionTowers(nn.Module):
         return sum((tower(x).mean((2, 3)) for tower in self.towers), torch.zeros(()))
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 def test_a_region_inside_a_branch_avoids_the_streams_of_concurrent_branches() -> None:
     model = InceptionTowers().to("meta")
     x = torch.empty(32, 64, 56, 56, device="meta")
@@ -253,6 +261,7 @@ def test_named_convolutions_stay_on_their_branch_stream_unlike_round_robin() -> 
     assert learned.count_edges(learned.stage_streams).chain_splits == 0
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 @pytest.mark.parametrize(
     ("case", "static_splits"),
     [("inception", 2), ("residual", 7), ("gpt", 7), ("two_tower", 4), ("moe", 0)],
@@ -293,6 +302,7 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     assert len(side) == len(set(learned.stage_streams.values()))
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 def test_branches_updating_shared_running_statistics_are_one_chain() -> None:
     """Batch norm in training writes its running statistics though its schema says it only
     reads them: two branches updating the same ones must not overlap."""
@@ -347,6 +357,7 @@ def towers_per_side_stream(streams: dict[str, int]) -> dict[int, set[str]]:
     return towers
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 def test_clip_towers_share_no_side_stream_and_no_stage_costs_less_than_its_fork_join() -> None:
     # Regression: the image tower (on a side stream) was split into one stage per block link,
     # layer norms of 4 µs among them, and both towers' k_proj and v_proj shared two streams.
@@ -369,6 +380,7 @@ def test_clip_towers_share_no_side_stream_and_no_stage_costs_less_than_its_fork_
     assert all(len({b.stream for b in r.branches}) == 3 for r in text_regions)
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 @pytest.mark.parametrize("streams", [2, 4, 8])
 def test_inner_regions_of_concurrent_towers_get_disjoint_streams(streams: int) -> None:
     """With a near-free fork every tower splits into its links: the q/k/v regions of the two
