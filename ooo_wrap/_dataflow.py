@@ -112,10 +112,11 @@ class RejectedRegion:
 
     def __str__(self) -> str:
         branches = ", ".join(f"{b.device_us:.1f}" for b in self.region.branches)
+        saved = self.without_us - self.with_us
+        effect = f"save {saved:.1f} µs of" if saved >= 0 else f"add {-saved:.1f} µs to"
         return (
             f"region {self.region.name or '<root>'} (branches {branches} µs forward) would "
-            f"save {self.without_us - self.with_us:.1f} µs of a {self.without_us:.1f} µs step, "
-            f"under the {self.needed_us:.1f} µs it must"
+            f"{effect} a {self.without_us:.1f} µs step; it must save {self.needed_us:.1f} µs"
         )
 
 

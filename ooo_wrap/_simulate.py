@@ -24,8 +24,9 @@ The model, in estimated µs on a named reference GPU (never a measurement):
 The planner's backward (:func:`step_ops`) is the observed forward reversed: the autograd
 engine runs one host thread per device and, among ready nodes, the one created last, so
 it issues the nodes in reverse creation order; each forward kernel's backward runs on the
-stream of its forward, costs ``BACKWARD_FACTOR`` times its device time and takes
-``BACKWARD_LAUNCHES`` launches; a gradient crossing streams is an event wait. Every stage
+stream of its forward and costs what :func:`backward_cost` says for the op (about
+``BACKWARD_FACTOR`` times its device time, in ``BACKWARD_LAUNCHES`` kernels, unless the op
+is listed); a gradient crossing streams is an event wait. Every stage
 call costs a fork and a join each way (forward, and its backward's wait back). The loss
 is two small kernels after the forward (a reduction and its gradient's seed); the step
 ends with an optimizer update per parameter on the caller's stream (an SGD ``add_``).
@@ -47,16 +48,53 @@ __all__ = [
     "SimOp",
     "SimResult",
     "StepEstimate",
+    "backward_cost",
     "estimate_step",
     "simulate",
     "step_ops",
 ]
 
-# The backward of a forward kernel: about 1.5x its device time (two matmuls per forward
-# matmul, but no input gradient for the first layer and cheap elementwise backwards),
-# in about 1.75 kernels (a linear layer's backward is two matmuls and a bias reduction).
-BACKWARD_FACTOR = 1.5
-BACKWARD_LAUNCHES = 1.75
+# The backward of a forward kernel, as (times its device time, kernels), by the op's name:
+# a matmul's is two matmuls (and a bias reduction for ``addmm``), a convolution's one
+# ``convolution_backward``; an in-place op (a running-statistics update) and a
+# concatenation (its backward is views) launch none; any other op about one kernel a bit
+# slower than its forward. An estimate, like the costs it scales.
+BACKWARD_FACTOR = 1.15
+BACKWARD_LAUNCHES = 1.0
+_BACKWARD: dict[str, tuple[float, float]] = {
+    "addmm": (2.05, 3.0),
+    "mm": (2.0, 2.0),
+    "bmm": (2.0, 2.0),
+    "baddbmm": (2.05, 3.0),
+    "convolution": (1.35, 1.0),
+    "cat": (0.0, 0.0),
+    "stack": (0.0, 0.0),
+}
+
+
+# A matmul or convolution of the step's inputs (the first layer) needs no input gradient.
+_NO_INPUT_GRAD: dict[str, tuple[float, float]] = {
+    "addmm": (1.05, 2.0),
+    "mm": (1.0, 1.0),
+    "bmm": (1.0, 1.0),
+    "baddbmm": (1.05, 2.0),
+    "convolution": (0.7, 1.0),
+}
+
+
+def backward_cost(name: str, first: bool = False) -> tuple[float, float]:
+    """(device-time factor, kernels) of the backward of the forward op ``name``
+    (``aten.addmm.default``); ``first``: it reads nothing another op of the forward made
+    (only inputs and parameters), so a matmul's input gradient is not computed."""
+    packet = name.split(".")[1] if name.startswith("aten.") else name
+    if first and packet in _NO_INPUT_GRAD:
+        return _NO_INPUT_GRAD[packet]
+    if packet in _BACKWARD:
+        return _BACKWARD[packet]
+    if packet.endswith("_") and not packet.startswith("_"):
+        return (0.0, 0.0)
+    return (BACKWARD_FACTOR, BACKWARD_LAUNCHES)
+
 
 _EPS = 1e-9
 
@@ -276,7 +314,9 @@ def step_ops(
     # Backward: the forward kernels in reverse order, each after its consumers' backward.
     producer: dict[int, int] = {}  # storage -> position in ``fwd`` of its last writer
     consumers: list[list[int]] = [[] for _ in fwd]
+    first: list[bool] = []
     for position, (_, _, op) in enumerate(fwd):
+        first.append(not any(key in producer for key in op.reads))
         for key in op.reads:
             if key in producer:
                 consumers[producer[key]].append(position)
@@ -286,7 +326,8 @@ def step_ops(
     streams_used: set[int] = set()
     for position in range(len(fwd) - 1, -1, -1):
         _, stream, op = fwd[position]
-        device = op.device_us * BACKWARD_FACTOR
+        factor, launches = backward_cost(op.name, first[position])
+        device = op.device_us * factor
         waits = tuple(
             sorted(
                 {
@@ -302,7 +343,7 @@ def step_ops(
                 device,
                 op.occupancy,
                 waits,
-                gpu.launch_us * BACKWARD_LAUNCHES + half * len(waits),
+                gpu.launch_us * launches + half * len(waits),
                 floor_us=min(floor, device),
             )
         )

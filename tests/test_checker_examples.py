@@ -22,6 +22,7 @@ def _load(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 @pytest.mark.parametrize("name", ["quickstart", "transformer"])
 def test_example_passes_check(name: str) -> None:
     example = _load(name)

@@ -146,6 +146,7 @@ class SparseTowers(nn.Module):
 _FREE_FORK = replace(_learn.REFERENCE_GPU, fork_join_us=1e-6)
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 @pytest.mark.parametrize("planner", ["static", "dataflow"])
 def test_sparse_gradients_are_compared(planner: Planner) -> None:
     with mock.patch.object(_learn, "REFERENCE_GPU", _FREE_FORK):
@@ -177,6 +178,7 @@ class Masked(nn.Module):
         return (self.left(x) * mask + self.right(x) * scale).tanh()
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 @pytest.mark.parametrize("planner", ["static", "dataflow"])
 def test_check_takes_keyword_inputs(planner: Planner) -> None:
     x, mask = torch.randn(3, 6), torch.ones(3, 6, requires_grad=True)

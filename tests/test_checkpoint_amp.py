@@ -343,6 +343,7 @@ def _check_branches(
         )
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 @pytest.mark.parametrize("overlap_forward", [False, True], ids=["joins", "overlap_forward"])
 @pytest.mark.parametrize("planner", ["static", "dataflow"])
 @pytest.mark.parametrize("branches", [2, 3], ids=["two_stages", "three_stages"])

@@ -19,6 +19,7 @@ def _direct_check(model: torch.nn.Module, *inputs: torch.Tensor) -> object:
     return check(model, *inputs, planner="static")
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 @pytest.mark.parametrize(
     "argv",
     [
@@ -55,6 +56,7 @@ def test_a_finding_exits_1_and_prints_the_report() -> None:
     assert result.out.strip()
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 def test_capture_checks_the_last_step_under_simulated_graph_capture() -> None:
     argv = ["check", "examples.quickstart:build_model", "--input", "32x64"]
     for extra in ([], ["--planner", "static", "--steps", "1"]):
@@ -78,6 +80,7 @@ def test_a_broken_capture_rule_is_a_finding_in_one_line() -> None:
     )
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 def test_overlap_forward_checks_deferred_joins() -> None:
     argv = ["check", "examples.quickstart:build_model", "--input", "32x64"]
     serial, deferred = run_cli(*argv), run_cli(*argv, "--overlap-forward")
@@ -139,6 +142,7 @@ def test_shared_embedding_layouts_plan_and_check(factory: str, inputs: list[str]
     assert checked.out.startswith("ooo_wrap check: OK")
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 def test_the_doc_race_checks_pass() -> None:
     commands = [c for c in doc_commands() if not c.shown]
     assert commands

@@ -175,6 +175,7 @@ def test_distributed_snippet_runs_on_two_ranks(
         assert rank_results[name] is None, rank_results[name]
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 @pytest.mark.parametrize(
     "code", [_snippet_param(n, c) for n, c in _all_snippets() if not _is_distributed(c)]
 )

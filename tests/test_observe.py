@@ -127,6 +127,7 @@ class Fork(nn.Module):
         return self.long(x) + self.mid(x) + self.short(x)
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 @pytest.mark.parametrize(
     ("fork_join_us", "leaving"),
     [(0.5, {"mid", "short"}), (1.5, {"mid"}), (5.0, set())],
@@ -173,6 +174,7 @@ class ForkWithIdentity(Fork):
         return self.long(x) + self.mid_b(self.nothing(self.mid_a(x))) + self.short(x)
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 def test_a_link_that_launches_no_kernel_is_neither_a_stage_nor_counted_by_the_rule() -> None:
     record = observe(ForkWithIdentity(), (torch.randn(2, 4),), op_cost=one_us)
     # mid costs 2 µs over 2 kernel-launching calls: it leaves at 0.9 µs per fork, not at 1.1
@@ -241,6 +243,7 @@ class PricedFork(nn.Module):
         return self.long(x) + self.tail(self.side(x))
 
 
+@pytest.mark.usefixtures("regions_by_rule")
 @pytest.mark.parametrize(
     ("ends", "stages"),
     [
