@@ -15,7 +15,7 @@ machinery, so the first GPU runs calibrate the same cost model ``check()`` repor
    ops on one stream without fork/join costs for ``plain_ms``.
 
 Assumptions, recorded in each point's ``source``: the reference GPU's public peak numbers,
-concurrent kernels not slowing each other, and a bfloat16 point estimated as a model held
+concurrent kernels sharing the GPU by occupancy, and a bfloat16 point estimated as a model held
 in bfloat16 (autocast keeps a few ops in float32; the estimate does not). One estimate per
 point, cached: repeats and reruns of a point cost nothing. Estimates are a model's output,
 never measurements.
@@ -65,7 +65,7 @@ class TraceEstimator:
         return (
             f"cost-model estimate, not measured: the checker's trace on {self.gpu.name}, "
             f"{self.streams} side streams, the point's planner (static if none); kernels "
-            "assumed not to slow each other; "
+            "assumed to share the GPU by occupancy; "
             "bfloat16 points as a bfloat16 model (no autocast)"
         )
 

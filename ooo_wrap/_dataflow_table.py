@@ -40,14 +40,18 @@ def render(learned: LearnedPlan) -> str:
     ]
     if learned.outcome == "no_parallelism":
         lines.append(f"  nothing to overlap; longest chain: {format_chain(learned.longest_chain)}")
-    estimate = f"  estimate on {learned.gpu}: step {learned.step_us:.1f} µs on one stream"
-    if learned.plan_step_us is not None and learned.stages:
-        estimate += f", {learned.plan_step_us:.1f} µs with this plan"
-    lines.append(estimate)
-    lines.append(
-        f"    (assumes backward = 2x forward, full overlap across streams; host fork/join "
-        f"{learned.fork_join_us:.1f} µs per forward on top)"
-    )
+    if learned.estimate is not None:
+        lines.append(f"  {learned.estimate}")
+        lines.append(
+            f"    (simulated: host launches and fork/joins ({learned.fork_join_us:.1f} µs per "
+            "forward), backward from the forward, kernels sharing the GPU by occupancy)"
+        )
+    else:
+        lines.append(
+            f"  estimate on {learned.gpu}: forward {learned.forward_us:.1f} µs on one stream"
+        )
+    for rejected in learned.rejected:
+        lines.append(f"  rejected: {rejected} (an estimate on {learned.gpu})")
     stage_us = {stage.name: stage for stage in learned.stages}
     for region in learned.regions:
         lines.append(f"  region {region.name or '<root>'} (width {region.width})")

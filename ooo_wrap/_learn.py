@@ -264,9 +264,6 @@ def _summary(the_plan: Plan) -> str:
         f"learned from one forward: {plural(len(the_plan.stages), 'stage')} on "
         f"{plural(the_plan.num_streams, 'side stream')} in {regions}"
     )
-    if learned.plan_step_us is not None and the_plan.stages:
-        text += (
-            f"; estimated step {learned.plan_step_us:.1f} µs against {learned.step_us:.1f} µs "
-            f"on one stream (an estimate on {learned.gpu}, not a measurement)"
-        )
+    if learned.estimate is not None and the_plan.stages:
+        text += f"; {learned.estimate}"
     return text

@@ -42,6 +42,7 @@ class OpRecord:
     writes: tuple[StorageKey, ...]  # existing storages written in place (or ``out=``)
     fresh: tuple[StorageKey, ...]  # storages the op allocated (and wrote)
     device_us: float
+    occupancy: float = 1.0  # fraction of the GPU its kernel fills (``_cost.OpCost``)
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,15 @@ class CallRecord:
         call_id: position of this call in the forward (pre-order), unique in one record.
         items: the call's own ops and its child calls, in the order they ran.
         device_us: estimated device time of every op inside the call, children included.
+        params: ``(numel, element size)`` of each parameter of the module itself that
+            requires grad, on its first call only (what an optimizer step updates).
     """
 
     name: str
     call_id: int
     items: tuple[OpRecord | CallRecord, ...]
     device_us: float
+    params: tuple[tuple[int, int], ...] = ()
 
     @property
     def children(self) -> tuple[CallRecord, ...]:
@@ -123,6 +127,7 @@ class _OpenCall:
     call_id: int
     items: list[OpRecord | CallRecord] = field(default_factory=list)
     device_us: float = 0.0
+    params: tuple[tuple[int, int], ...] = ()
 
 
 class Observer:
@@ -154,12 +159,14 @@ class Observer:
     ) -> None:
         self._model = model
         self._inside_root = inside_root
-        self._op_cost = op_cost or (lambda f, a, k, o: estimate_op(f, a, k, o, gpu).device_us)
+        self._gpu = gpu
+        self._op_cost = op_cost
         self._stack: list[_OpenCall] = []
         self._top: list[CallRecord] = []
         self._next_id = 0
         self._handles: list[RemovableHandle] = []
         self._mode: OpInterceptor | None = None
+        self._seen_params: set[int] = set()
 
     @property
     def record(self) -> CallRecord:
@@ -202,7 +209,12 @@ class Observer:
 
     def _pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
-            self._stack.append(_OpenCall(name, self._next_id))
+            params = []
+            for param in module.parameters(recurse=False):
+                if param.requires_grad and id(param) not in self._seen_params:
+                    self._seen_params.add(id(param))
+                    params.append((param.numel(), param.element_size()))
+            self._stack.append(_OpenCall(name, self._next_id, params=tuple(params)))
             self._next_id += 1
 
         return hook
@@ -211,7 +223,7 @@ class Observer:
         if not self._stack:
             return
         done = self._stack.pop()
-        record = CallRecord(done.name, done.call_id, tuple(done.items), done.device_us)
+        record = CallRecord(done.name, done.call_id, tuple(done.items), done.device_us, done.params)
         if self._stack:
             self._stack[-1].items.append(record)
             self._stack[-1].device_us += record.device_us
@@ -230,8 +242,13 @@ class Observer:
         if not self._stack:  # an op outside any module call (e.g. building inputs)
             return
         reads, writes, fresh = _uses(func, args, kwargs, out)
-        cost = float(self._op_cost(func, args, kwargs, out))
-        op = OpRecord(str(func), tuple(reads), tuple(writes), tuple(fresh), cost)
+        occupancy = 1.0
+        if self._op_cost is None:
+            estimate = estimate_op(func, args, kwargs, out, self._gpu)
+            cost, occupancy = estimate.device_us, estimate.occupancy
+        else:
+            cost = float(self._op_cost(func, args, kwargs, out))
+        op = OpRecord(str(func), tuple(reads), tuple(writes), tuple(fresh), cost, occupancy)
         self._stack[-1].items.append(op)
         self._stack[-1].device_us += cost
 

@@ -14,6 +14,7 @@ from ._errors import OOOConfigError, did_you_mean, positive_int
 
 if TYPE_CHECKING:
     from ._dataflow import LearnedPlan
+    from ._simulate import StepEstimate
 
 __all__ = ["Plan", "Stage", "as_stage_names", "check_streams", "plan", "plural"]
 
@@ -67,6 +68,12 @@ class Plan:
     def num_streams(self) -> int:
         """Side streams actually used: one past the highest stream index of a stage."""
         return max((stage.stream for stage in self.stages), default=-1) + 1
+
+    @property
+    def estimate(self) -> StepEstimate | None:
+        """The learned plan's simulated step against one stream (the type
+        ``CheckReport.estimate`` has); ``None`` for a plan never estimated."""
+        return None if self.learned is None else self.learned.estimate
 
     @property
     def pending(self) -> bool:

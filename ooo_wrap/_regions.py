@@ -29,11 +29,13 @@ __all__ = [
     "CallDag",
     "Parallel",
     "RegionChoice",
+    "RegionKey",
     "RegionRule",
     "Series",
     "call_dag",
     "choose",
     "parallels",
+    "region_key",
 ]
 
 
@@ -247,8 +249,9 @@ class RegionRule:
     stage cheaper than that.
     """
 
-    def __init__(self, gpu: ReferenceGPU) -> None:
+    def __init__(self, gpu: ReferenceGPU, vetoed: frozenset[RegionKey] = frozenset()) -> None:
         self.gpu = gpu
+        self.vetoed = vetoed  # regions the planner's simulation found not worth it
         self._dags: dict[int, CallDag] = {}
         self._series: dict[int, Series] = {}
         self._region: dict[int, bool] = {}
@@ -315,7 +318,7 @@ class RegionRule:
             The :class:`RegionChoice`, or ``None`` when the branches stay on one stream.
         """
         costs = [branch.device_us for branch in parallel.branches]
-        if len(costs) < 2:
+        if len(costs) < 2 or region_key(parallel) in self.vetoed:
             return None
         heaviest = max(range(len(costs)), key=lambda i: costs[i])
         leaving = [
@@ -332,6 +335,14 @@ class RegionRule:
         stages = [stage for call in branch.calls() for stage in self.side_stages(call)]
         moved = sum(stage.device_us for stage in stages)
         return bool(stages) and moved > self.gpu.fork_join_us * len(stages)
+
+
+RegionKey = tuple[int, ...]
+
+
+def region_key(parallel: Parallel) -> RegionKey:
+    """Names a group of branches across walks: the ``call_id`` of each branch's first call."""
+    return tuple(next(branch.calls()).call_id for branch in parallel.branches)
 
 
 def parallels(series: Series) -> list[Parallel]:

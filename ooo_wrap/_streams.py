@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from ._cost import ReferenceGPU
 from ._observe import CallRecord
-from ._regions import Parallel, RegionRule, Series
+from ._regions import Parallel, RegionKey, RegionRule, Series, region_key
 
 __all__ = [
     "BranchPlacement",
@@ -73,6 +73,7 @@ class RegionPlacement:
     section: int
     width: int
     branches: tuple[BranchPlacement, ...]
+    key: RegionKey = ()  # :func:`~ooo_wrap._regions.region_key` of its branches
 
     @property
     def name(self) -> str:
@@ -86,6 +87,7 @@ class RegionWalk:
 
     streams: int
     gpu: ReferenceGPU
+    vetoed: frozenset[RegionKey] = frozenset()
     stage_stream: dict[int, int] = field(default_factory=dict)  # stage call_id -> stream
     lanes: dict[int, Lane | None] = field(default_factory=dict)  # call_id -> innermost branch
     regions: list[RegionPlacement] = field(default_factory=list)
@@ -94,7 +96,7 @@ class RegionWalk:
     _wants: dict[tuple[int, bool], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.rule = RegionRule(self.gpu)
+        self.rule = RegionRule(self.gpu, self.vetoed)
 
     def call(
         self,
@@ -181,6 +183,7 @@ class RegionWalk:
                     )
                     for i, b in enumerate(branches)
                 ),
+                key=region_key(parallel),
             )
         )
         shares = self._share(branches, place, own)
@@ -252,9 +255,15 @@ class RegionWalk:
         return most
 
 
-def assign_regions(root: CallRecord, streams: int, gpu: ReferenceGPU) -> RegionWalk:
-    """Find every region under ``root`` and give each stage call a side stream."""
-    walk = RegionWalk(streams, gpu)
+def assign_regions(
+    root: CallRecord,
+    streams: int,
+    gpu: ReferenceGPU,
+    vetoed: frozenset[RegionKey] = frozenset(),
+) -> RegionWalk:
+    """Find every region under ``root`` (none of ``vetoed``) and give each stage call a
+    side stream."""
+    walk = RegionWalk(streams, gpu, vetoed)
     walk.forward_us = walk.call(root, None, tuple(range(streams)), {}, None)
     return walk
 

@@ -151,10 +151,26 @@ def test_allocator_hazards_are_marked(tmp_path: Path) -> None:
 
 
 def _op(
-    seq: int, stream: int, cost: float, clock: dict[int, int], phase: str = "forward"
+    seq: int,
+    stream: int,
+    cost: float,
+    clock: dict[int, int],
+    phase: str = "forward",
+    occupancy: float = 0.25,
 ) -> OpRecord:
+    """A small kernel (a quarter of the GPU): concurrent ones do not slow each other."""
     pairs = tuple(sorted(clock.items()))
-    return OpRecord(seq, f"s{stream}", stream, "aten.mm.default", None, phase, cost, pairs)  # type: ignore[arg-type]
+    return OpRecord(
+        seq,
+        f"s{stream}",
+        stream,
+        "aten.mm.default",
+        None,
+        phase,
+        cost,
+        pairs,
+        occupancy,  # type: ignore[arg-type]
+    )
 
 
 def test_layout_follows_host_order_stream_order_and_waits() -> None:

@@ -35,11 +35,15 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]] 
 
 @functools.cache
 def learned_case(case: str) -> tuple[nn.Module, LearnedPlan]:
-    """The model of ``case`` and its plan for 4 streams, learned once per test session."""
+    """The model of ``case`` and its plan for 4 streams, learned once per test session.
+
+    These cases test plan structure, so every region the region rule finds is kept
+    (``tests/test_simulate.py`` covers which ones the simulated step pays for).
+    """
     make, inputs = CASES[case]
     torch.manual_seed(0)
     model = make()
-    return model, learn_plan(model, inputs(), streams=4)
+    return model, learn_plan(model, inputs(), streams=4, by_simulation=False)
 
 
 @pytest.fixture

@@ -57,9 +57,10 @@ def test_every_family_gets_a_labelled_estimate_from_the_meta_device(
 
 
 def test_the_wrapped_estimate_is_the_wrapped_schedule() -> None:
-    # Eight independent towers big enough to be device-bound overlap on four streams...
+    # Eight independent device-bound towers overlap on four streams, but their kernels
+    # fill the GPU and share it by occupancy: only their floors overlap...
     heavy = estimate_times(Point(ModelSpec.towers(8, 2048, 4), 256, "float32"), TraceEstimator())
-    assert heavy["wrapped_ms"] < 0.8 * heavy["plain_ms"]
+    assert 0.8 * heavy["plain_ms"] < heavy["wrapped_ms"] < heavy["plain_ms"]
     # ...while tiny ones are bound by host launches, and forking them only adds host cost.
     tiny = estimate_times(Point(SMALL["towers"], 2, "float32"), TraceEstimator())
     assert tiny["wrapped_ms"] > tiny["plain_ms"]

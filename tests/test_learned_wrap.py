@@ -23,6 +23,10 @@ from ooo_wrap._plan import Plan
 from ooo_wrap.testing import SimulatedBackend, check
 from tests import dataflow_models as models
 
+# These tests are about how the wrapper learns and runs a plan, on small models: every
+# region the region rule finds is kept (tests/test_simulate.py covers which ones the
+# simulated step pays for).
+
 Case = tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]
 
 # CPU sizes: small enough to train under the checker, large enough (under the cost model's

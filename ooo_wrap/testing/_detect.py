@@ -254,11 +254,13 @@ class Detection:
                 stream, stage = consumer.stream, consumer.stage
             else:
                 stream, stage = self.stream_now(), self._stage_now()
-            cost = estimate_op(func, args, kwargs, out, self.gpu).device_us
+            estimate = estimate_op(func, args, kwargs, out, self.gpu)
             sync = None
             if self.capture is not None and not self._device_checks_now:
                 sync = host_sync(func, args, kwargs)
-            self._record(str(func), stream, stage, uses, cost, sync)
+            self._record(
+                str(func), stream, stage, uses, estimate.device_us, sync, estimate.occupancy
+            )
             self._engine.created(tensors_in(out), stream, stage)
 
     def _host_read(self, tensor: torch.Tensor, op: str = "host_read") -> None:
@@ -268,8 +270,16 @@ class Detection:
             uses = [] if key is None else [TensorUse(tensor, key, is_write=False, fresh=False)]
             # The device-to-host copy, costed as the copy op it is.
             copy = torch.ops.aten._to_copy.default
-            cost = estimate_op(copy, (tensor,), {}, tensor, self.gpu).device_us
-            self._record(op, self.stream_now(), self._stage_now(), uses, cost, HOST_SYNCS[op])
+            cost = estimate_op(copy, (tensor,), {}, tensor, self.gpu)
+            self._record(
+                op,
+                self.stream_now(),
+                self._stage_now(),
+                uses,
+                cost.device_us,
+                HOST_SYNCS[op],
+                cost.occupancy,
+            )
 
     @contextlib.contextmanager
     def _device_checks(self) -> Iterator[None]:
@@ -295,6 +305,7 @@ class Detection:
         uses: list[TensorUse],
         cost_us: float,
         host_sync: str | None,
+        occupancy: float = 1.0,
     ) -> None:
         tracker = self.tracker
         if self.capture is not None:
@@ -310,7 +321,7 @@ class Detection:
             )
         )
         self._records.append(
-            OpRecord(seq, str(stream), stream.id, op, stage, phase, cost_us, clock)
+            OpRecord(seq, str(stream), stream.id, op, stage, phase, cost_us, clock, occupancy)
         )
         for use in uses:
             if use.fresh:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .._cost import H200, ReferenceGPU
 from .._errors import OOOError
 from .._plan import plural
+from .._simulate import StepEstimate
 from ._picture import save_picture, step_spans
 from ._timeline import Slot, Timeline, lay_out, split_steps
 from ._tracker import AllocatorHazard, OpRecord, Race
@@ -56,32 +57,6 @@ class StreamOps:
     forward: int
     backward: int
     step: int
-
-
-@dataclass(frozen=True)
-class StepEstimate:
-    """The last training step's estimated length, wrapped and with the same ops on one stream.
-
-    An estimate from a cost model (roofline per op, launch and fork/join costs on the
-    host; see ``ooo_wrap._cost``) on the reference GPU named in ``gpu``, never a
-    measurement.
-    """
-
-    wrapped_us: float
-    one_stream_us: float
-    gpu: str
-
-    @property
-    def speedup(self) -> float:
-        """One-stream length over wrapped length (above 1: the streams would help)."""
-        return self.one_stream_us / self.wrapped_us if self.wrapped_us > 0 else 1.0
-
-    def __str__(self) -> str:
-        return (
-            f"estimated step: {self.wrapped_us:.1f} µs on these streams vs "
-            f"{self.one_stream_us:.1f} µs on one stream ({self.speedup:.2f}x); "
-            f"an estimate on {self.gpu}, not a measurement"
-        )
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The checker's ops on an estimated time axis: what the trace draws and the step estimate.
 
-Each recorded op carries its estimated device time (``ooo_wrap._cost``, on a named
-reference GPU) and its stream's vector clock. Laying them out:
+Each recorded op carries its estimated device time and occupancy (``ooo_wrap._cost``, on a
+named reference GPU) and its stream's vector clock. They are laid out by the step
+simulator the planner uses too (``ooo_wrap._simulate``), so a plan's estimate and the
+checker's speak of the same step:
 
 1. The host issues ops one at a time in the order they were recorded; each kernel costs
    it ``launch_us`` and can start only once issued.
@@ -11,7 +13,9 @@ reference GPU) and its stream's vector clock. Laying them out:
    op on the stream. Each wait costs the host half of ``fork_join_us`` (an event record
    and a wait).
 3. A host sync (``.item()``, :func:`host_read`) blocks the host until the op is done.
-4. Concurrent kernels do not slow each other: optimistic where both would fill the GPU.
+4. Concurrent kernels share the GPU by occupancy: while their occupancies sum to at most
+   1 they run at full speed, beyond that each slows in proportion (the kernel floor, a
+   latency, is not shared).
 
 The same ops laid out on one stream (every op after the previous one, no waits, no
 fork/join cost) give the baseline the report compares against.
@@ -23,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._cost import H200, ReferenceGPU
+from .._simulate import SimOp, simulate
 from ._ops import always_syncs
 from ._tracker import OpRecord
 
@@ -67,40 +72,43 @@ def lay_out(
         gpu: whose host costs (launch, fork/join) apply; the ops' device costs were
             estimated when they were recorded.
     """
-    end_of: dict[tuple[int, int], float] = {}  # (stream, its op count) -> end
     record_of: dict[tuple[int, int], OpRecord] = {}
+    index_of: dict[int, int] = {}  # seq -> position in ``records``
     last_clock: dict[int, dict[int, int]] = {}
-    stream_end: dict[int, float] = {}
-    slots: list[Slot] = []
+    ops: list[SimOp] = []
     waits: list[tuple[int, int]] = []
-    host = 0.0
-    for record in records:
+    for position, record in enumerate(records):
         own = record.stream_index
         clock = dict(record.clock)
-        if one_stream:
-            ready = max(stream_end.values(), default=0.0)
-        else:
+        host = gpu.launch_us if record.cost_us > 0 else 0.0
+        sources: list[int] = []
+        if not one_stream:
             for source in _direct_waits(clock, last_clock.get(own, {}), own, record_of):
                 waits.append((source.seq, record.seq))
+                sources.append(index_of[source.seq])
                 host += gpu.fork_join_us / 2
             last_clock[own] = clock
-            ready = max(
-                [stream_end.get(own, 0.0)]
-                + [end_of.get((s, n), 0.0) for s, n in clock.items() if s != own]
+        floor = min(gpu.kernel_floor_us, record.cost_us)
+        ops.append(
+            SimOp(
+                0 if one_stream else own,
+                record.cost_us,
+                record.occupancy,
+                tuple(sources),
+                host,
+                always_syncs(record.op),
+                floor,
             )
-        if record.cost_us > 0:
-            host += gpu.launch_us
-        start = max(host, ready)
-        end = start + record.cost_us
-        if always_syncs(record.op):
-            host = max(host, end)  # on a GPU the host waits for its result
-        stream_end[own] = max(stream_end.get(own, 0.0), end)
+        )
         if own in clock:
-            end_of[(own, clock[own])] = end
             record_of[(own, clock[own])] = record
-        slots.append(Slot(record, start, end))
-    length = max([host, *stream_end.values()], default=0.0)
-    return Timeline(tuple(slots), tuple(waits), length, gpu)
+        index_of[record.seq] = position
+    result = simulate(ops)
+    slots = tuple(
+        Slot(record, start, end)
+        for record, start, end in zip(records, result.starts, result.ends, strict=True)
+    )
+    return Timeline(slots, tuple(waits), result.length_us, gpu)
 
 
 def _direct_waits(

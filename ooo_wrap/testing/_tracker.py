@@ -121,7 +121,8 @@ class OpRecord:
 
     ``cost_us`` is the op's estimated device time (0: no kernel) and ``clock`` its
     stream's vector clock once the op was counted, as ``(stream_index, ops)`` pairs: what
-    the trace lays out on its virtual time axis.
+    the trace lays out on its virtual time axis; ``occupancy`` the fraction of the GPU its
+    kernel fills (concurrent kernels share the GPU by it).
     """
 
     seq: int
@@ -132,6 +133,7 @@ class OpRecord:
     phase: Phase
     cost_us: float = 0.0
     clock: tuple[tuple[int, int], ...] = ()
+    occupancy: float = 1.0
 
 
 @dataclass
