@@ -34,6 +34,7 @@ ends with an optimizer update per parameter on the caller's stream (an SGD ``add
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -163,6 +164,9 @@ def simulate(ops: Sequence[SimOp], *, share: bool = True) -> SimResult:
     ``share=False``: concurrent kernels never slow each other (an upper bound on overlap,
     for tests of plan structure on models whose kernels fill the GPU).
     """
+    for op in ops:
+        if not all(map(math.isfinite, (op.device_us, op.host_us, op.floor_us, op.occupancy))):
+            raise ValueError(f"a simulated op needs finite costs, got {op}")
     n = len(ops)
     starts = [0.0] * n
     ends: list[float | None] = [None] * n
@@ -217,22 +221,22 @@ def simulate(ops: Sequence[SimOp], *, share: bool = True) -> SimResult:
         sharing = [i for i in busy.values() if work[i] > _EPS]
         total = sum(min(max(ops[i].occupancy, _EPS), 1.0) for i in sharing)
         rate = 1.0 if total <= 1.0 or not share else 1.0 / total
-        step = [work[i] / rate if work[i] > _EPS else tail[i] for i in busy.values()]
-        candidates = [now + s for s in step]
+        # Time to the next event, as a duration (not an absolute time: far into a long
+        # step, now + a tiny duration rounds back to now and nothing would advance).
+        step = {i: work[i] / rate if work[i] > _EPS else tail[i] for i in busy.values()}
+        durations = list(step.values())
         if blocked is None and issued < n:
-            candidates.append(max(host + ops[issued].host_us, now))
-        if not candidates:
+            durations.append(max(host + ops[issued].host_us - now, 0.0))
+        if not durations:
             break
-        later = min(candidates)
-        elapsed = later - now
-        now = later
+        elapsed = min(durations)
+        now += elapsed
         for stream, index in list(busy.items()):
+            finished = step[index] <= elapsed  # the op (or ops) the next event belongs to
             if work[index] > _EPS:
-                work[index] -= elapsed * rate
-                if work[index] <= _EPS:
-                    work[index] = 0.0
+                work[index] = 0.0 if finished else work[index] - elapsed * rate
             else:
-                tail[index] -= elapsed
+                tail[index] = 0.0 if finished else tail[index] - elapsed
             if work[index] <= _EPS and tail[index] <= _EPS:
                 ends[index] = now
                 del busy[stream], work[index], tail[index]

@@ -140,3 +140,18 @@ def test_the_plan_estimate_agrees_with_the_checkers_for_the_same_plan() -> None:
     planned, checked = learned.estimate, report.estimate
     assert planned.wrapped_us == pytest.approx(checked.wrapped_us, rel=0.10)
     assert planned.one_stream_us == pytest.approx(checked.one_stream_us, rel=0.10)
+
+
+def test_a_long_step_finishes() -> None:
+    # Millions of µs in: a duration far below the float spacing at ``now`` must still end
+    # the op it belongs to, and the loop must advance.
+    ops = [SimOp(0, 8220283.5, 0.95), SimOp(1, 10989302.6, 0.78), SimOp(0, 1e7, 0.7)]
+    result = simulate(ops)
+    # No faster than stream 0's two ops in a row, no slower than all three in a row.
+    assert 8220283.5 + 1e7 <= result.length_us <= 8220283.5 + 10989302.6 + 1e7
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_costs_are_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        simulate([SimOp(0, bad)])
