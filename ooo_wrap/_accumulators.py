@@ -55,6 +55,7 @@ Layout = Literal["inline", "planned"]
 
 _KEY = "ooo_wrap.accumulator"
 _FOREIGN = "foreign"  # the mark of an accumulator made before the wrapper's first forward
+_RAN = "ooo_wrap.accumulator_ran"  # whether one of ours has run (its backward happened)
 
 
 class Accumulators:
@@ -72,6 +73,7 @@ class Accumulators:
         self._token = object()  # the mark of this wrapper's own accumulators
         self._marking = False
         self._lock = threading.Lock()
+        self._retry = False  # some of ours were kept (backward not run yet): try again
         self._thread: int | None = None  # the one thread that ran the model, while one did
         self._shared = False  # several threads ran it: leave accumulators alone
 
@@ -85,7 +87,7 @@ class Accumulators:
                     self._thread = thread
                 else:
                     self._shared = True
-        if self._shared or layout == self._layout or not _can_make_nodes():
+        if self._shared or (layout == self._layout and not self._retry) or not _can_make_nodes():
             return
         with self._lock, _unobserved():
             if self._shared:
@@ -95,16 +97,25 @@ class Accumulators:
             unmarked_ours = self._marking
             self._layout = layout
             self._marking = True
+            self._retry = False
             for param in _parameters(model):
                 try:
                     node = _cached(param)
                     if node is None:
                         continue
-                    owner = _metadata(node).get(_KEY)
-                    if owner is self._token or (owner is None and unmarked_ours):
+                    metadata = _metadata(node)
+                    owner = metadata.get(_KEY)
+                    if owner is self._token and not metadata.get(_RAN, False):
+                        # Its backward has not run yet: a graph this step builds on (two
+                        # forwards, one loss) still needs it, and a second accumulator
+                        # for the same .grad on another stream would race with it. Kept
+                        # for now (correct, on the old stream); released at the next
+                        # forward after its backward ran.
+                        self._retry = True
+                    elif owner is self._token or (owner is None and unmarked_ours):
                         _release(param)
                     elif owner is None:
-                        _metadata(node)[_KEY] = _FOREIGN  # here before us: never ours
+                        metadata[_KEY] = _FOREIGN  # here before us: never ours
                 except RuntimeError:
                     continue  # .data refused (a kind of tensor filtered out too late)
 
@@ -121,8 +132,22 @@ class Accumulators:
                     node = _cached(param)
                 except RuntimeError:
                     continue  # as in begin()
-                if node is not None:
-                    _metadata(node).setdefault(_KEY, self._token)
+                if node is None:
+                    continue
+                metadata = _metadata(node)
+                if metadata.setdefault(_KEY, self._token) is self._token and (_RAN not in metadata):
+                    metadata[_RAN] = False
+                    node.register_hook(_ran(metadata))
+
+
+def _ran(metadata: dict[str, Any]) -> Any:
+    """A node hook noting in ``metadata`` that the node ran (it holds the dict, not the
+    node: no reference cycle)."""
+
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        metadata[_RAN] = True
+
+    return hook
 
 
 @contextlib.contextmanager

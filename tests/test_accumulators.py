@@ -295,3 +295,37 @@ def test_no_accumulate_grad_stream_mismatch_on_a_gpu_in_a_loop_keeping_the_loss(
     mismatches = [str(w.message) for w in caught if "AccumulateGrad node's stream" in str(w)]
     assert mismatches == []
     assert model.stats.stage_calls > 0
+
+
+def test_two_forwards_into_one_backward_across_a_switch_share_one_accumulator() -> None:
+    # A siamese step whose first forward is the dataflow planner's inline learning forward
+    # and whose second is planned: the first forward's accumulators have not run yet, so
+    # they are kept (one per parameter, as plain autograd has), not doubled on two streams.
+    import copy as copy_module
+
+    from models import make_two_towers, two_tower_input
+
+    from ooo_wrap.testing import DetectingBackend, detect
+
+    plain = make_two_towers()
+    backend = DetectingBackend()
+    with detect(backend) as found:
+        model = ooo_wrap.OOOModule(
+            copy_module.deepcopy(plain),
+            backend=backend,
+            stages=["towers.0", "towers.1"],
+            tune=False,
+        )
+        found.keep_alive(model)
+        calls: dict[str, int] = {}
+        for name, param in model.named_parameters():
+            param.register_post_accumulate_grad_hook(
+                lambda p, name=name: calls.__setitem__(name, calls.get(name, 0) + 1)
+            )
+        x1, x2 = two_tower_input(), two_tower_input() * 2
+        (model(x1).sum() + model(x2).sum()).backward()
+        (plain(x1).sum() + plain(x2).sum()).backward()
+    assert set(calls.values()) == {1}
+    assert found.ok, found.races
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
