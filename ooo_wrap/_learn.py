@@ -31,6 +31,7 @@ from ._cost import H200, ReferenceGPU
 from ._dataflow import learn, learn_plan
 from ._errors import OOOConfigError
 from ._events import EventKind, OOOEvent
+from ._handles import remove_part
 from ._observe import CallRecord, Observer
 from ._plan import Plan, StageSource, plan, plural
 from ._stats import Counters
@@ -147,11 +148,7 @@ class Learner:
 
     def remove(self, handles: list[RemovableHandle]) -> None:
         """Remove the two hooks, and their handles from ``handles``."""
-        mine = {id(handle) for handle in self.handles}
-        for handle in self.handles:
-            handle.remove()
-        handles[:] = [handle for handle in handles if id(handle) not in mine]
-        self.handles.clear()
+        remove_part(self.handles, handles)
 
     def _eligible(self) -> bool:
         if not torch.is_grad_enabled() or eager_bypass_reason() is not None:

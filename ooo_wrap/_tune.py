@@ -49,6 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._backend import Mark, StepClock
 from ._events import EventKind, OOOEvent
+from ._handles import remove_part
 from ._inflight import RootCall, thread_state
 from ._tensors import tensors_in
 
@@ -231,11 +232,7 @@ class Tuner:
             _turn = None
         self._scheduler.bypass_outside_forward = None
         self._scheduler.layout_by_tuner = False
-        mine = {id(handle) for handle in self._handles}
-        for handle in self._handles:
-            handle.remove()
-        self._state.handles[:] = [h for h in self._state.handles if id(h) not in mine]
-        self._handles.clear()
+        remove_part(self._handles, self._state.handles)
 
     def record(self, decision: Decision = "pending") -> Tuning:
         """The tuning so far (step times read only from marks the device has passed)."""
