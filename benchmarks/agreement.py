@@ -20,9 +20,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ooo_wrap import _dataflow
-from ooo_wrap._cost import H200
-from ooo_wrap._dataflow import learn_plan
+from ooo_wrap._planner import dataflow as _dataflow
+from ooo_wrap._planner.cost import H200
+from ooo_wrap._planner.dataflow import learn_plan
 from ooo_wrap.testing import check
 
 

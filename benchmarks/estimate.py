@@ -7,7 +7,7 @@ machinery, so the first GPU runs calibrate the same cost model ``check()`` repor
    costs the host only its op count), wrapped on virtual streams, and trained two steps
    as the suite trains it (zero_grad, forward, loss, backward, SGD with momentum) under
    :func:`ooo_wrap.testing.detect`, which records every op with its estimated device time
-   on the reference GPU (``ooo_wrap._cost``). Where the meta device cannot run the model,
+   on the reference GPU (``ooo_wrap._planner.cost``). Where the meta device cannot run the model,
    the CPU runs it at the point's sizes instead.
 2. The last step's ops are laid out on the estimated time axis exactly as
    :attr:`ooo_wrap.testing.CheckReport.estimate` does: on the wrapped schedule (host
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import ooo_wrap
-from ooo_wrap._cost import H200, ReferenceGPU
+from ooo_wrap._planner.cost import H200, ReferenceGPU
 from ooo_wrap.testing import DetectingBackend, detect
 
 # The layout CheckReport.estimate uses; not part of ooo_wrap.testing's public names.

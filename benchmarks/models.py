@@ -128,7 +128,7 @@ class FanOut(nn.Module):
     launch-bound, as estimates from public H200 figures, not measurements: one branch
     Linear at batch 256 is 2 x 256 x 128 x 128 = 8.4 MFLOP (about 0.13 us at 67 TFLOPS of
     float32) and moves about 0.3 MB (about 0.07 us at 4.8 TB/s), both far below a
-    kernel's launch floor of a few us. The cost model (``ooo_wrap/_cost.py``: 5 us of
+    kernel's launch floor of a few us. The cost model (``ooo_wrap/_planner/cost.py``: 5 us of
     host time per eager op, 2 us least per kernel) puts a training step at about 225
     launched ops, 1.1 ms, the same at batch 32 and 256: the host's launches set the step
     time, and the GPU waits on them. A CUDA graph removes those launches; side streams

@@ -5,16 +5,17 @@
 
 import logging
 
-from ._bypass import disabled
-from ._config import from_config
-from ._cost import H200, ReferenceGPU
 from ._errors import OOOConfigError, OOOError
 from ._events import EventKind, OOOEvent
-from ._graphs import GraphedStep, graphed_step, make_graphed_callables
-from ._plan import Plan, Stage, plan
+from ._integrations.config import from_config
+from ._integrations.graphs import GraphedStep, graphed_step, make_graphed_callables
+from ._plan import Plan, Stage
+from ._planner.api import plan
+from ._planner.cost import H200, ReferenceGPU
+from ._runtime.bypass import disabled
 from ._stats import OOOStats
-from ._tune import Tuning
-from ._wrap import OOOModule, events_for, unwrap
+from ._wrapper.module import OOOModule, events_for, unwrap
+from ._wrapper.tune import Tuning
 
 __all__ = [
     "H200",

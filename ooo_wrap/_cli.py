@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ._errors import OOOError, did_you_mean, positive_int
-from ._plan import plan
-from ._wrap import unwrap
+from ._planner.api import plan
+from ._wrapper.module import unwrap
 
 __all__ = ["main"]
 

@@ -1,24 +1,65 @@
-"""Stage resolution and stream assignment: pure functions of the model, no device work."""
+"""The contract between planning and running: which sub-modules are stages, on which stream.
+
+A :class:`Plan` is plain frozen data. The planner (``ooo_wrap._planner``) makes one; the
+runtime and the wrapper only read it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal, Protocol
 
 import torch
-from torch import nn
 
-from ._cost import GPULike, ReferenceGPU, as_reference_gpu
-from ._errors import OOOConfigError, did_you_mean, positive_int
+from ._errors import OOOConfigError, positive_int
 
-if TYPE_CHECKING:
-    from ._dataflow import LearnedPlan
-    from ._simulate import StepEstimate
-
-__all__ = ["Plan", "Stage", "as_stage_names", "check_streams", "plan", "plural"]
+__all__ = [
+    "LearnedDetails",
+    "Plan",
+    "Stage",
+    "StageSource",
+    "StepEstimate",
+    "as_stage_names",
+    "check_streams",
+    "plural",
+]
 
 StageSource = Literal["argument", "attribute", "automatic", "dataflow"]
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """A step's estimated length with its streams and with the same ops on one stream.
+
+    An estimate from a cost model (roofline per op, launch and fork/join costs on the
+    host, concurrent kernels sharing the GPU by occupancy) on the reference GPU named in
+    ``gpu``, never a measurement. The same type for a learned plan and for the checker.
+    """
+
+    wrapped_us: float
+    one_stream_us: float
+    gpu: str
+
+    @property
+    def speedup(self) -> float:
+        """One-stream length over wrapped length (above 1: the streams would help)."""
+        return self.one_stream_us / self.wrapped_us if self.wrapped_us > 0 else 1.0
+
+    def __str__(self) -> str:
+        return (
+            f"estimated step: {self.wrapped_us:.1f} µs on these streams vs "
+            f"{self.one_stream_us:.1f} µs on one stream ({self.speedup:.2f}x); "
+            f"an estimate on {self.gpu}, not a measurement"
+        )
+
+
+class LearnedDetails(Protocol):
+    """What a plan carries of the dataflow planner's work (its ``LearnedPlan``): the step
+    estimate, and ``str()`` for the learned table."""
+
+    @property
+    def estimate(self) -> StepEstimate | None: ...
 
 
 @dataclass(frozen=True)
@@ -62,7 +103,7 @@ class Plan:
     stages: tuple[Stage, ...]
     max_streams: int
     source: StageSource
-    learned: LearnedPlan | None = field(default=None, compare=False, repr=False)
+    learned: LearnedDetails | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_streams(self) -> int:
@@ -120,113 +161,6 @@ def check_streams(streams: object, where: str = "streams") -> int:
     return positive_int(streams, where, " (the most side streams to use, e.g. 4)")
 
 
-# The learned path of ``plan(..., example_inputs=...)``, registered by ``_learn`` when it is
-# imported (``_wrap`` imports it), so that this module stays below the planner it feeds.
-learn_from_example: (
-    Callable[
-        [
-            nn.Module,
-            int,
-            Sequence[str] | None,
-            Sequence[Any] | None,
-            Mapping[str, Any] | None,
-            ReferenceGPU | None,
-        ],
-        Plan,
-    ]
-    | None
-) = None
-
-
-def plan(
-    model: nn.Module,
-    streams: int = 4,
-    *,
-    stages: Sequence[str] | None = None,
-    example_inputs: Sequence[Any] | None = None,
-    example_kwargs: Mapping[str, Any] | None = None,
-    gpu: GPULike | None = None,
-) -> Plan:
-    """Work out the stages of ``model`` and their streams, without touching any device.
-
-    With ``example_inputs`` (or ``example_kwargs``) this is the plan the ``dataflow``
-    planner learns: one forward of a deep copy of ``model`` runs on these inputs under
-    observation (on their device: the CPU, or ``meta`` for a model without data-dependent
-    shapes) and the learned plan is returned, its table in ``print(plan)``. Without them
-    it is the ``static`` plan, described next.
-
-    Stage names come from ``stages`` if given, else from ``model.ooo_stage_names``, else
-    from automatic expansion: parameter-free children are skipped, ``ModuleList`` and
-    ``ModuleDict`` are expanded into their children, any other child is one stage, a
-    candidate that lies inside another (a module registered under two names) is dropped,
-    and a level that yields a single stage with children is descended into. Stages may
-    share sub-modules but not nest. Streams are assigned round-robin in stage order.
-
-    Args:
-        model: the model to plan for.
-        streams: the most side streams to use, a positive int.
-        stages: dotted sub-module names, overriding ``ooo_stage_names`` and expansion.
-        example_inputs: positional inputs of one forward: learn the plan from its dataflow.
-        example_kwargs: keyword inputs of that forward.
-        gpu: the reference GPU the learned plan's estimates use: an
-            ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (such as the one the GPU
-            kit measures); ``None`` for the H200 datasheet figures. Only read when
-            learning (with example inputs).
-
-    Returns:
-        The :class:`Plan`; ``print(plan)`` shows it as a table.
-
-    Raises:
-        OOOConfigError: ``model`` is not a module, ``streams`` is not a positive int,
-            the names given are empty, or a stage name is unknown, repeated, the root, a
-            ``ModuleList``/``ModuleDict`` (never called), or nested with another stage;
-            or ``gpu`` is neither a ``ReferenceGPU`` nor a readable path to one's JSON.
-
-    Example::
-
-        >>> print(ooo_wrap.plan(model, streams=2))
-        >>> measured = ooo_wrap.ReferenceGPU.load("reference_gpu.json")
-        >>> print(ooo_wrap.plan(model, example_inputs=(x,), gpu=measured))
-    """
-    if not isinstance(model, nn.Module):
-        raise OOOConfigError(
-            f"expected a torch.nn.Module, got {type(model).__name__}; pass the model itself"
-        )
-    max_streams = check_streams(streams)
-    reference = as_reference_gpu(gpu)
-    if example_inputs is not None or example_kwargs is not None:
-        assert learn_from_example is not None, "ooo_wrap._learn registers it on import"
-        return learn_from_example(
-            model, max_streams, stages, example_inputs, example_kwargs, reference
-        )
-    source: StageSource
-    if stages is not None:
-        names, source = as_stage_names(stages, "stages="), "argument"
-    elif getattr(model, "ooo_stage_names", None) is not None:
-        names = as_stage_names(model.ooo_stage_names, "model.ooo_stage_names")
-        source = "attribute"
-    else:
-        names, source = _expand(model), "automatic"
-    if source != "automatic" and not names:
-        where = "stages=" if source == "argument" else "model.ooo_stage_names"
-        raise OOOConfigError(
-            f"{where} is empty; name at least two sub-modules, {_suggestion(model)}, "
-            "or leave it out for automatic expansion"
-        )
-    modules = _resolve(model, names)
-    fallback_device = _device_of(model) or torch.device("cpu")
-    planned = tuple(
-        Stage(
-            name=name,
-            stream=index % max_streams,
-            device=_device_of(module) or fallback_device,
-            num_params=_count_params(module),
-        )
-        for index, (name, module) in enumerate(zip(names, modules, strict=True))
-    )
-    return Plan(stages=planned, max_streams=max_streams, source=source)
-
-
 def as_stage_names(value: object, where: str) -> list[str]:
     """Check that ``value`` is a sequence of strings (and not one bare string)."""
     if isinstance(value, str):
@@ -240,129 +174,3 @@ def as_stage_names(value: object, where: str) -> list[str]:
             "pass e.g. ['encoder', 'decoder']"
         )
     return list(value)
-
-
-def _has_state(module: nn.Module) -> bool:
-    return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
-
-
-def _expand_level(module: nn.Module, prefix: str) -> list[str]:
-    names: list[str] = []
-    for child_name, child in module.named_children():
-        if not _has_state(child):
-            continue
-        name = prefix + child_name
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            # Containers are never called themselves; their entries are the real stages.
-            names += _expand_level(child, name + ".")
-        else:
-            names.append(name)
-    return names
-
-
-def _expand(model: nn.Module) -> list[str]:
-    names = _outermost(model, _expand_level(model, ""))
-    while len(names) == 1:
-        inner = _outermost(model, _expand_level(model.get_submodule(names[0]), names[0] + "."))
-        if not inner:
-            break
-        names = inner
-    return names
-
-
-def _outermost(model: nn.Module, names: list[str]) -> list[str]:
-    """Drop candidates that lie inside another candidate or repeat an earlier one.
-
-    A module registered under two names (T5's ``shared`` embedding is also
-    ``encoder.embed_tokens``) would otherwise be a stage inside a stage. Candidates that
-    merely share a sub-module (two towers over one embedding) stay separate stages, as
-    tied weights do: forward joins each stage back before the next one starts, and the
-    autograd engine orders the accumulation of the shared gradients.
-    """
-    modules = [model.get_submodule(name) for name in names]
-    inside: set[int] = set()  # ids of modules strictly inside some candidate
-    for module in modules:
-        inside.update(id(inner) for inner in module.modules() if inner is not module)
-    kept: list[str] = []
-    seen: set[int] = set()
-    for name, module in zip(names, modules, strict=True):
-        if id(module) not in inside and id(module) not in seen:
-            kept.append(name)
-        seen.add(id(module))
-    return kept
-
-
-def _suggestion(model: nn.Module) -> str:
-    names = _expand(model)
-    if len(names) >= 2:
-        return f"e.g. {names!r} (the automatic choice)"
-    return "print(dict(model.named_modules())) lists the names"
-
-
-def _resolve(model: nn.Module, names: list[str]) -> list[nn.Module]:
-    """Look up every name; reject unknown, root, container, repeated and nested stages.
-
-    Stages may share a sub-module (like tied weights); a stage may not be, contain or lie
-    inside another stage, since its hooks would then run inside that stage's.
-    """
-    known = {name: module for name, module in model.named_modules(remove_duplicate=False) if name}
-    modules: list[nn.Module] = []
-    stage_of: dict[int, str] = {}  # id of each stage module -> its stage name
-    inside: dict[int, str] = {}  # id of every module strictly inside a stage -> that stage
-    for name in names:
-        if name == "":
-            raise OOOConfigError(
-                f"the root module cannot be a stage; name its sub-modules instead, "
-                f"{_suggestion(model)}"
-            )
-        if name not in known:
-            raise OOOConfigError(
-                f"no submodule {name!r} in {type(model).__name__}"
-                f"{did_you_mean(name, _stageable(known))} "
-                "(print(dict(model.named_modules())) lists the names)"
-            )
-        if name in names[: len(modules)]:
-            raise OOOConfigError(f"stage {name!r} is listed twice; list each stage once")
-        module = known[name]
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            children = [f"{name}.{child}" for child, _ in module.named_children()]
-            raise OOOConfigError(
-                f"stage {name!r} is a {type(module).__name__}, which forward never calls, so "
-                f"it would never run on its stream; name its entries instead: {children!r}"
-            )
-        if id(module) in stage_of:
-            relation = f"is the same module as stage {stage_of[id(module)]!r} (registered twice)"
-        elif id(module) in inside:
-            relation = f"is inside stage {inside[id(module)]!r}"
-        else:
-            contained = [stage_of[id(m)] for m in module.modules() if id(m) in stage_of]
-            relation = f"contains stage {contained[0]!r}" if contained else ""
-        if relation:
-            raise OOOConfigError(
-                f"stage {name!r} {relation}; stages must not nest, so keep only one of them"
-            )
-        stage_of[id(module)] = name
-        inside.update((id(m), name) for m in module.modules() if m is not module)
-        modules.append(module)
-    return modules
-
-
-def _stageable(known: dict[str, nn.Module]) -> list[str]:
-    # Suggestions must be accepted in turn: never a container forward does not call.
-    return [n for n, m in known.items() if not isinstance(m, (nn.ModuleList, nn.ModuleDict))]
-
-
-def _count_params(module: nn.Module) -> int:
-    # A lazy module's parameters have no size until its first forward.
-    return sum(
-        p.numel()
-        for p in module.parameters()
-        if not isinstance(p, nn.parameter.UninitializedParameter)
-    )
-
-
-def _device_of(module: nn.Module) -> torch.device | None:
-    tensor: torch.Tensor | None = next(module.parameters(), None)
-    if tensor is None:
-        tensor = next(module.buffers(), None)
-    return None if tensor is None else tensor.device

@@ -44,7 +44,7 @@ from torch.nn import functional as F  # noqa: E402
 import ooo_wrap  # noqa: E402
 from benchmarks.models import ModelSpec  # noqa: E402
 from examples import quickstart  # noqa: E402
-from ooo_wrap._backend import AcceleratorBackend  # noqa: E402
+from ooo_wrap._runtime.backend import AcceleratorBackend  # noqa: E402
 
 EXIT_SETUP = 2  # not run: no GPU, or the sanitizer is not switched on
 SANITIZER_ERROR = "CUDASanitizerErrors"  # torch.cuda._sanitizer's, private: matched by name

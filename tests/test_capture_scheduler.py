@@ -17,7 +17,8 @@ import torch
 from test_checker_guards import OwnStream, Towers, _remove
 from torch import nn
 
-from ooo_wrap import EventKind, OOOModule, _learn
+from ooo_wrap import EventKind, OOOModule
+from ooo_wrap._planner import api as planner_api
 from ooo_wrap.testing import (
     CaptureError,
     CheckReport,
@@ -61,11 +62,11 @@ def test_a_captured_step_of_towers_runs_on_side_streams(overlap_forward: bool) -
     assert {("side1", "backward"), ("side2", "backward")} <= side
 
 
-_FREE_FORK = replace(_learn.REFERENCE_GPU, fork_join_us=1e-6)
+_FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
 
 
 def test_the_learned_plan_is_captured_after_an_eager_learning_step() -> None:
-    with mock.patch.object(_learn, "REFERENCE_GPU", _FREE_FORK):
+    with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
         report = check(om.TowersSum(), om.inputs(), capture=True, steps=3)
     assert report.ok and report.captured, str(report)
     assert ("side1", "backward") in _side_ops(_captured_step(report))

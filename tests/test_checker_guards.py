@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from ooo_wrap._scheduler import Scheduler
+from ooo_wrap._runtime.scheduler import Scheduler
 from ooo_wrap.testing import CheckReport, DetectingBackend, RaceKind, check
 from ooo_wrap.testing import _check as check_module
 

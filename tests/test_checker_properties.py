@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
-from ooo_wrap import _learn
+from ooo_wrap._planner import api as planner_api
 from ooo_wrap.testing import CheckReport, check
 
 WIDTH = 8
@@ -214,7 +214,7 @@ def test_random_models_with_a_custom_loss_and_explicit_stages(spec: Spec, steps:
 
 # Structure only: these models are far too small for any fork to pay on a real GPU, so the
 # learner's reference GPU gets a near-free fork; the plan it learns is then checked as is.
-_FREE_FORK = replace(_learn.REFERENCE_GPU, fork_join_us=1e-6)
+_FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
 
 
 @settings(
@@ -225,7 +225,7 @@ def test_random_models_pass_with_the_learned_plan(spec: Spec) -> None:
     torch.manual_seed(2)
     model = GrammarModel(spec)
     x = torch.randn(4, WIDTH)
-    with mock.patch.object(_learn, "REFERENCE_GPU", _FREE_FORK):
+    with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
         learned = ooo_wrap.plan(model, spec.streams, example_inputs=(x,))
         report = check(model, x, streams=spec.streams, steps=3)
     assert learned.learned is not None

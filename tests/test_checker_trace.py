@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ooo_wrap._cost import H200
+from ooo_wrap._planner.cost import H200
 from ooo_wrap.testing import CheckReport, VirtualEvent, VirtualStream, check
 from ooo_wrap.testing import _check as check_module
 from ooo_wrap.testing._timeline import lay_out, split_steps

@@ -15,8 +15,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
-from ooo_wrap import _learn, _recompute
-from ooo_wrap import _scheduler as scheduler_module
+from ooo_wrap._planner import api as planner_api
+from ooo_wrap._runtime import recompute as _recompute
+from ooo_wrap._runtime import scheduler as scheduler_module
 from ooo_wrap.testing import DetectingBackend, SimulatedBackend, check, detect
 from ooo_wrap.testing._simulated import DEFAULT_STREAM
 
@@ -292,7 +293,7 @@ def test_autocast_weight_tied_across_stages_keeps_bitwise_parity() -> None:
 
 # These models are far too small for a fork to pay on a real GPU: the learner's reference
 # GPU gets a near-free fork, so that the dataflow planner puts the branches on streams.
-_FREE_FORK = replace(_learn.REFERENCE_GPU, fork_join_us=1e-6)
+_FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
 
 
 def _tower() -> nn.Module:
@@ -331,7 +332,7 @@ def _check_branches(
     torch.manual_seed(0)
     model = CheckpointedBranches(branches)
     stages = model.names if planner == "static" else None
-    with mock.patch.object(_learn, "REFERENCE_GPU", _FREE_FORK):
+    with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
         return check(
             model,
             torch.randn(8, 16),

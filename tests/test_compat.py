@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ooo_wrap import _compat
-from ooo_wrap._backend import AcceleratorBackend
+from ooo_wrap._runtime.backend import AcceleratorBackend
 
 CUDA_DEVICE_TYPE = 1  # what torch.Stream.device_type holds for a CUDA stream: an int
 

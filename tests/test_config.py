@@ -9,7 +9,7 @@ import pytest
 from models import Towers, TwoTowers, hook_snapshot, make_two_towers, two_tower_input
 
 import ooo_wrap
-import ooo_wrap._wrap
+import ooo_wrap._wrapper.module
 from ooo_wrap import EventKind, OOOConfigError, OOOModule
 from ooo_wrap.testing import SimulatedBackend
 
@@ -17,7 +17,7 @@ from ooo_wrap.testing import SimulatedBackend
 @pytest.fixture
 def simulated_default_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the default backend a simulated one, as if this CPU had streams."""
-    monkeypatch.setattr(ooo_wrap._wrap, "AcceleratorBackend", SimulatedBackend)
+    monkeypatch.setattr(ooo_wrap._wrapper.module, "AcceleratorBackend", SimulatedBackend)
 
 
 @pytest.mark.parametrize(

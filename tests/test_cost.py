@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from ooo_wrap._cost import ELEMENTS_PER_BLOCK, H200, ReferenceGPU, estimate_op, launches_kernel
+from ooo_wrap._planner.cost import (
+    ELEMENTS_PER_BLOCK,
+    H200,
+    ReferenceGPU,
+    estimate_op,
+    launches_kernel,
+)
 
 aten = torch.ops.aten
 

@@ -28,7 +28,7 @@ from benchmarks.measure import GRAPHED_MODES, MODES, Point, measure_point
 from benchmarks.models import ModelSpec
 from examples import quickstart, transformer
 from ooo_wrap import _compat
-from ooo_wrap._backend import AcceleratorBackend
+from ooo_wrap._runtime.backend import AcceleratorBackend
 
 pytestmark = pytest.mark.cuda
 
@@ -658,13 +658,13 @@ def test_tuning_decides_on_the_towers_model_with_at_most_one_sync(
     # Tuning times the real steps with timing events; the host waits at most once (at the
     # cap, if the evidence stays unclear). Whatever it decides, training is plain training.
     syncs: list[object] = []
-    synchronize = ooo_wrap._backend.AcceleratorClock.synchronize
+    synchronize = ooo_wrap._runtime.backend.AcceleratorClock.synchronize
 
     def counted(self: object, mark: object) -> None:
         syncs.append(mark)
         synchronize(self, mark)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ooo_wrap._backend.AcceleratorClock, "synchronize", counted)
+    monkeypatch.setattr(ooo_wrap._runtime.backend.AcceleratorClock, "synchronize", counted)
     plain = quickstart.build_model().to(DEVICE)
     model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4, planner="static", tune=True)
     assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)

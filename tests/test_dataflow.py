@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 import ooo_wrap
-from ooo_wrap import _learn
-from ooo_wrap._cost import H200
-from ooo_wrap._dataflow import LearnedPlan, learn, learn_plan
 from ooo_wrap._errors import OOOConfigError
-from ooo_wrap._observe import observe
-from ooo_wrap._plan import plan
-from ooo_wrap._streams import assign_named
+from ooo_wrap._planner import api as planner_api
+from ooo_wrap._planner.api import plan
+from ooo_wrap._planner.cost import H200
+from ooo_wrap._planner.dataflow import LearnedPlan, learn, learn_plan
+from ooo_wrap._planner.observe import observe
+from ooo_wrap._planner.placement import assign_named
 from ooo_wrap.testing import check
 from tests import dataflow_models as models
 from tests.models import SHAPES, Shape
@@ -290,7 +290,7 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     learned.to_plan(model)  # valid: known, disjoint names
     # The wrapper learns the same plan on the first step (same near-free fork), then the
     # learned stages run on their learned streams in the next two.
-    with mock.patch.object(_learn, "REFERENCE_GPU", tiny):
+    with mock.patch.object(planner_api, "REFERENCE_GPU", tiny):
         report = check(model, *args, streams=4, steps=3)
     assert report.ok, str(report)
     side = {row.stream for row in report.ops if row.forward and row.stream != "default"}
@@ -305,7 +305,7 @@ def test_branches_updating_shared_running_statistics_are_one_chain() -> None:
     learned = learn_plan(model, (x,), streams=2, gpu=tiny)
     (region,) = learned.regions
     assert sorted(branch.calls for branch in region.branches) == [("a", "b"), ("c",)]
-    with mock.patch.object(_learn, "REFERENCE_GPU", tiny):
+    with mock.patch.object(planner_api, "REFERENCE_GPU", tiny):
         report = check(model, x, streams=2, steps=3, overlap_forward=True)
     assert report.ok, str(report)
 

@@ -16,7 +16,7 @@ from benchmarks import estimate, report
 from benchmarks.estimate import TraceEstimator, estimate_times
 from benchmarks.measure import Point
 from benchmarks.models import ModelSpec
-from ooo_wrap._cost import H200
+from ooo_wrap._planner.cost import H200
 
 SMALL = {
     "towers": ModelSpec.towers(3, 16, 2),

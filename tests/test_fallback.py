@@ -23,7 +23,7 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import EventKind, OOOEvent, OOOModule
-from ooo_wrap._backend import AcceleratorBackend
+from ooo_wrap._runtime.backend import AcceleratorBackend
 from ooo_wrap._tensors import tensors_in
 from ooo_wrap.testing import SimulatedBackend, VirtualStream
 
@@ -162,7 +162,9 @@ def accelerator_available(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend a CUDA accelerator is there (the model itself stays on the CPU)."""
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
-    monkeypatch.setattr(ooo_wrap._wrap, "_warned_cpu_with_accelerator", False, raising=False)
+    monkeypatch.setattr(
+        ooo_wrap._wrapper.module, "_warned_cpu_with_accelerator", False, raising=False
+    )
 
 
 @pytest.mark.usefixtures("accelerator_available")
@@ -194,7 +196,9 @@ def test_wrapping_on_the_cpu_without_an_accelerator_stays_quiet(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
-    monkeypatch.setattr(ooo_wrap._wrap, "_warned_cpu_with_accelerator", False, raising=False)
+    monkeypatch.setattr(
+        ooo_wrap._wrapper.module, "_warned_cpu_with_accelerator", False, raising=False
+    )
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="ooo_wrap"):
         warnings.simplefilter("error")
         OOOModule(Towers(), planner="static")

@@ -21,8 +21,9 @@ from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
 import ooo_wrap
-from ooo_wrap import _learn, _wrap
 from ooo_wrap._compat import forward_hook_dicts
+from ooo_wrap._planner import api as planner_api
+from ooo_wrap._wrapper import module as _wrap
 from ooo_wrap.testing import SimulatedBackend
 from tests.models import Towers, hook_count
 
@@ -92,8 +93,8 @@ def test_without_cuda_graphed_step_gives_the_eager_losses_bit_for_bit(
 
 
 def test_the_warm_up_learns_a_dataflow_plan_before_the_capture_would_start() -> None:
-    free_fork = replace(_learn.REFERENCE_GPU, fork_join_us=1e-6)
-    with mock.patch.object(_learn, "REFERENCE_GPU", free_fork):
+    free_fork = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
+    with mock.patch.object(planner_api, "REFERENCE_GPU", free_fork):
         model = _wrapped(Towers(), planner="dataflow")
         assert model.plan.pending
         ooo_wrap.graphed_step(_step_for(model), *_batches(1)[0], warmup=2)

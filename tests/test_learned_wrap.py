@@ -219,7 +219,7 @@ def test_a_forward_that_raises_while_observed_learns_on_the_next_one() -> None:
 def test_learning_that_fails_falls_back_to_the_static_plan(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ooo_wrap import _learn
+    from ooo_wrap._wrapper import learn as _learn
 
     def broken(*args: Any, **kwargs: Any) -> Plan:
         raise ValueError("no plan today")

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from ooo_wrap._cost import H200
-from ooo_wrap._dataflow import learn
-from ooo_wrap._observe import CallRecord, Observer, OpRecord, observe
-from ooo_wrap._regions import Parallel, Series, call_dag, choose
+from ooo_wrap._planner.cost import H200
+from ooo_wrap._planner.dataflow import learn
+from ooo_wrap._planner.observe import CallRecord, Observer, OpRecord, observe
+from ooo_wrap._planner.regions import Parallel, Series, call_dag, choose
 from tests import dataflow_models as models
 
 

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import ooo_wrap
-from ooo_wrap import EventKind, _deferred
+from ooo_wrap import EventKind
+from ooo_wrap._runtime import deferred as _deferred
 from ooo_wrap.testing import SimulatedBackend, VirtualStream, check
 
 DEFAULT = VirtualStream(0)
@@ -273,7 +274,7 @@ def test_without_overlap_no_join_is_ever_pending() -> None:
 
 
 def test_from_config_reads_ooo_overlap_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ooo_wrap import _config
+    from ooo_wrap._integrations import config as _config
 
     asked: list[bool] = []
 

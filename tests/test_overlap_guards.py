@@ -16,8 +16,8 @@ from test_checker_guards import _remove
 from torch import nn
 
 import ooo_wrap
-from ooo_wrap import _deferred
-from ooo_wrap._scheduler import Scheduler
+from ooo_wrap._runtime import deferred as _deferred
+from ooo_wrap._runtime.scheduler import Scheduler
 from ooo_wrap.testing import CaptureError, CheckReport, DetectingBackend, RaceKind, check, detect
 from ooo_wrap.testing import _check as check_module
 

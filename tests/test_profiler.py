@@ -11,7 +11,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import ooo_wrap
-from ooo_wrap._scheduler import Scheduler
+from ooo_wrap._runtime.scheduler import Scheduler
 from ooo_wrap.testing import SimulatedBackend
 
 

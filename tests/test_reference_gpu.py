@@ -17,7 +17,7 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import H200, ReferenceGPU
-from ooo_wrap._options import WrapOptions
+from ooo_wrap._wrapper.options import WrapOptions
 from ooo_wrap.testing import SimulatedBackend, check
 from tests.cli_helpers import run_cli
 

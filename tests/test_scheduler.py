@@ -1,4 +1,4 @@
-"""The per-stage-call protocol of ``_scheduler.py``, run on virtual streams."""
+"""The per-stage-call protocol of ``_runtime/scheduler.py``, run on virtual streams."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import EventKind, OOOStats
-from ooo_wrap._classswap import _classes
-from ooo_wrap._wrap import _wrapped
+from ooo_wrap._wrapper.classswap import _classes
+from ooo_wrap._wrapper.module import _wrapped
 from ooo_wrap.testing import SimulatedBackend, StreamCall, VirtualEvent, VirtualStream
 
 DEFAULT = VirtualStream(0)

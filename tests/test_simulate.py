@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import ooo_wrap
-from ooo_wrap._cost import H200
-from ooo_wrap._dataflow import learn_plan
-from ooo_wrap._simulate import SimOp, StepEstimate, simulate
+from ooo_wrap._plan import StepEstimate
+from ooo_wrap._planner.cost import H200
+from ooo_wrap._planner.dataflow import learn_plan
+from ooo_wrap._planner.simulate import SimOp, simulate
 from ooo_wrap.testing import check
 from tests import dataflow_models as models
 

@@ -15,9 +15,10 @@ from models import make_two_towers, two_tower_input
 from torch import nn
 
 import ooo_wrap
-from ooo_wrap import EventKind, OOOConfigError, _wrap
-from ooo_wrap._inflight import thread_state
-from ooo_wrap._wrap import _wrapped
+from ooo_wrap import EventKind, OOOConfigError
+from ooo_wrap._runtime.inflight import thread_state
+from ooo_wrap._wrapper import module as _wrap
+from ooo_wrap._wrapper.module import _wrapped
 from ooo_wrap.testing import SimulatedBackend, VirtualStream
 
 DEFAULT = VirtualStream(0)

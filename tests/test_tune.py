@@ -17,7 +17,7 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import EventKind, OOOConfigError
-from ooo_wrap._tune import MAX_ROUNDS, decide
+from ooo_wrap._wrapper.tune import MAX_ROUNDS, decide
 from ooo_wrap.testing import SimulatedBackend
 from ooo_wrap.testing._simulated import StreamCall
 
@@ -621,7 +621,7 @@ def test_a_plain_step_recomputes_checkpointed_stages_inline() -> None:
 def test_retuning_leaves_no_old_scheduler_alive() -> None:
     import gc
 
-    from ooo_wrap._scheduler import Scheduler
+    from ooo_wrap._runtime.scheduler import Scheduler
 
     def schedulers() -> int:
         gc.collect()
@@ -639,7 +639,7 @@ def test_retuning_leaves_no_old_scheduler_alive() -> None:
 
 
 def test_a_forward_replaying_a_graph_stops_tuning() -> None:
-    from ooo_wrap._wrap import mark_graphed
+    from ooo_wrap._wrapper.module import mark_graphed
 
     model, _ = wrap(planned_ms(8.0, 10.0))
     train(model, 3)

@@ -13,13 +13,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._cost import H200, GPULike, as_reference_gpu
 from .._errors import OOOConfigError, positive_int
 from .._events import EventKind
-from .._options import Planner
 from .._plan import plural
+from .._planner.cost import H200, GPULike, as_reference_gpu
+from .._planner.learned_plan import learned_of
 from .._tensors import map_leaves, named_tensors
-from .._wrap import OOOModule, events_for, runs_plain
+from .._wrapper.module import OOOModule, events_for, runs_plain
+from .._wrapper.options import Planner
 from ._detect import DetectingBackend, Detection, detect
 from ._engine import CHECKED_TORCH
 from ._report import CheckReport, ParityEntry, count_ops
@@ -318,7 +319,7 @@ def _label_stages(model: nn.Module, found: Detection) -> list[RemovableHandle]:
     labelled: set[str] = set()
 
     def label(*_: Any) -> None:
-        learned = model.plan.learned
+        learned = learned_of(model.plan)
         # The stages, and the calls of branches the plan keeps on the caller's stream (no
         # stage, but their ops are named after them in the trace).
         names = [stage.name for stage in model.plan.stages]

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-from .._cost import H200, ReferenceGPU, estimate_op
-from .._intercept import OpInterceptor, intercept_new_threads
+from .._planner.cost import H200, ReferenceGPU, estimate_op
+from .._planner.intercept import OpInterceptor, intercept_new_threads
 from .._tensors import tensors_in
 from ._capture import SimulatedCapture, simulated_capture
 from ._engine import AccumulatorMismatch, EngineModel

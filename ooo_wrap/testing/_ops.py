@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._schema import arguments, declared_writes
+from .._planner.schema import arguments, declared_writes
 from .._tensors import tensors_in
 
 __all__ = [
@@ -219,7 +219,7 @@ def tensor_uses(
     """The reads and writes of one op call, and the storages it allocated.
 
     A view op (``t``, ``slice``, ``detach``, ...) launches no kernel, so it touches
-    nothing. Arguments the op writes (``ooo_wrap._schema.arguments``: in-place, ``out=``,
+    nothing. Arguments the op writes (``ooo_wrap._planner.schema.arguments``: in-place, ``out=``,
     and the writes schemas leave out) are writes, other tensor arguments reads; results
     whose storage no argument shares are fresh allocations, written by the op. ``before``
     (from :func:`written_keys`) tells which written arguments got new memory from the op:

@@ -8,10 +8,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._cost import H200, ReferenceGPU
 from .._errors import OOOError
-from .._plan import plural
-from .._simulate import StepEstimate
+from .._plan import StepEstimate, plural
+from .._planner.cost import H200, ReferenceGPU
 from ._picture import save_picture, step_spans
 from ._timeline import Slot, Timeline, lay_out, split_steps
 from ._tracker import AllocatorHazard, OpRecord, Race

@@ -119,7 +119,7 @@ class SimulatedClock:
 
 
 class SimulatedBackend:
-    """A :class:`~ooo_wrap._backend.Backend` of virtual streams for CPU models.
+    """A :class:`~ooo_wrap._runtime.backend.Backend` of virtual streams for CPU models.
 
     Each thread has its own current stream (the default stream until it sets another),
     as on CUDA. Every call is appended to :attr:`log`; only the latest ``log_size`` calls

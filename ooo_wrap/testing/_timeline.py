@@ -1,8 +1,8 @@
 """The checker's ops on an estimated time axis: what the trace draws and the step estimate.
 
-Each recorded op carries its estimated device time and occupancy (``ooo_wrap._cost``, on a
+Each recorded op carries its estimated device time and occupancy (``ooo_wrap._planner.cost``, on a
 named reference GPU) and its stream's vector clock. They are laid out by the step
-simulator the planner uses too (``ooo_wrap._simulate``), so a plan's estimate and the
+simulator the planner uses too (``ooo_wrap._planner.simulate``), so a plan's estimate and the
 checker's speak of the same step:
 
 1. The host issues ops one at a time in the order they were recorded; each kernel costs
@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._cost import H200, ReferenceGPU
-from .._simulate import SimOp, simulate
+from .._planner.cost import H200, ReferenceGPU
+from .._planner.simulate import SimOp, simulate
 from ._ops import always_syncs
 from ._tracker import OpRecord
 

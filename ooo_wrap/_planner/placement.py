@@ -1,14 +1,14 @@
 """Stream assignment by dependency: chains share a stream, independent branches do not.
 
-Two assigners, both pure functions of an observed :class:`~ooo_wrap._observe.CallRecord`:
+Two assigners, both pure functions of an observed :class:`~ooo_wrap._planner.observe.CallRecord`:
 
 * :func:`assign_regions` walks the call tree from the root. Every call is decomposed into
   chains and branches (``_regions``); a group of branches that
-  :meth:`~ooo_wrap._regions.RegionRule.choose` accepts is a region. Its heaviest branch
+  :meth:`~ooo_wrap._planner.regions.RegionRule.choose` accepts is a region. Its heaviest branch
   stays on the caller's stream, the others get distinct side streams while there are
   free ones, and when there are more branches than streams, each next-heaviest branch
   goes to the least-loaded stream (greedy LPT). Stages are the child calls of a branch on
-  a side stream, as :meth:`~ooo_wrap._regions.RegionRule.side_stages` decides: every link
+  a side stream, as :meth:`~ooo_wrap._planner.regions.RegionRule.side_stages` decides: every link
   of a branch's chain gets that branch's stream, a link that a fork/join would outlast
   runs inline, and a call with a region inside is split into its links (stages cannot
   nest) only if each of them is worth a stage, else it is one stage.
@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from ._cost import ReferenceGPU
-from ._observe import CallRecord
-from ._regions import Parallel, RegionKey, RegionRule, Series, region_key
+from .cost import ReferenceGPU
+from .observe import CallRecord
+from .regions import Parallel, RegionKey, RegionRule, Series, region_key
 
 __all__ = [
     "BranchPlacement",
@@ -73,7 +73,7 @@ class RegionPlacement:
     section: int
     width: int
     branches: tuple[BranchPlacement, ...]
-    key: RegionKey = ()  # :func:`~ooo_wrap._regions.region_key` of its branches
+    key: RegionKey = ()  # :func:`~ooo_wrap._planner.regions.region_key` of its branches
 
     @property
     def name(self) -> str:

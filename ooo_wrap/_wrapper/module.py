@@ -15,22 +15,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from ._accumulators import Accumulators
-from ._backend import AcceleratorBackend, Backend, clock_of
-from ._classswap import build_original, wrapped_class
-from ._compat import forward_hook_dicts, is_compiled_module
-from ._cost import GPULike, as_reference_gpu
-from ._errors import OOOConfigError, OOOError, warn_user
-from ._events import EventKind, EventLog, OOOEvent
-from ._learn import Learner, finish, named_stages, pending_plan
-from ._options import Planner, Tune, WrapOptions
-from ._plan import Plan, plan, plural
-from ._profiling import ProfiledScheduler
-from ._recompute import install as install_recompute_ordering
-from ._scheduler import Scheduler, running
-from ._serialize import deepcopy_wrapped, reduce_wrapped
-from ._stats import Counters, OOOStats
-from ._tune import Tuner, Tuning
+from .._compat import forward_hook_dicts, is_compiled_module
+from .._errors import OOOConfigError, OOOError, warn_user
+from .._events import EventKind, EventLog, OOOEvent
+from .._plan import Plan, plural
+from .._planner.api import named_stages, plan
+from .._planner.cost import GPULike, as_reference_gpu
+from .._runtime.accumulators import Accumulators
+from .._runtime.backend import AcceleratorBackend, Backend, clock_of
+from .._runtime.profiling import ProfiledScheduler
+from .._runtime.recompute import install as install_recompute_ordering
+from .._runtime.scheduler import Scheduler, running
+from .._stats import Counters, OOOStats
+from .classswap import build_original, wrapped_class
+from .learn import Learner, finish, pending_plan
+from .options import Planner, Tune, WrapOptions
+from .serialize import deepcopy_wrapped, reduce_wrapped
+from .tune import Tuner, Tuning
 
 __all__ = ["OOOModule", "events_for", "unwrap"]
 
@@ -53,7 +54,7 @@ class _WrapState:
     tuner: Tuner | None = None  # the hooks that time plain against planned, until decided
     tuning: Tuning | None = None  # the last decided tuning; None if never tuned
     # Which accumulators the wrapper's own forwards made (released when the next forward
-    # runs on other streams; _accumulators.py).
+    # runs on other streams; _runtime/accumulators.py).
     accumulators: Accumulators = field(default_factory=Accumulators)
 
     def events(self) -> tuple[OOOEvent, ...]:
@@ -193,7 +194,7 @@ class OOOModule(nn.Module):
         tune_steps: int = 6,
         gpu: GPULike | None = None,
     ) -> Any:
-        if cls is not OOOModule:  # OOO<Cls> has its own __new__ (_classswap.py)
+        if cls is not OOOModule:  # OOO<Cls> has its own __new__ (classswap.py)
             return super().__new__(cls)
         options = WrapOptions(
             streams,
@@ -280,7 +281,7 @@ class OOOModule(nn.Module):
         return unwrap(self)
 
     # Copies and pickles are of the plain model, wrapped again with the same options:
-    # the scheduler (thread-local state, streams) is never copied. See _serialize.py.
+    # the scheduler (thread-local state, streams) is never copied. See serialize.py.
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
         return deepcopy_wrapped(self, _state(self), memo, _rewrap)
@@ -661,7 +662,7 @@ def start_scheduler(model: nn.Module, state: _WrapState, the_plan: Plan) -> None
 
 def _start_tuning(model: nn.Module, state: _WrapState) -> None:
     """Time plain against planned steps from the next forward on, if the options ask and
-    the backend can time (``_tune.py``)."""
+    the backend can time (``tune.py``)."""
     scheduler, the_plan = state.scheduler, state.plan
     assert scheduler is not None
     clock = clock_of(state.backend, the_plan.devices[0])

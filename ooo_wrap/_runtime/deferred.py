@@ -71,8 +71,8 @@ from torch._C import (
 )
 from torch.overrides import TorchFunctionMode
 
-from ._backend import Backend, Event, Stream
-from ._stats import Counters
+from .._stats import Counters
+from .backend import Backend, Event, Stream
 
 __all__ = [
     "JoinOnTouch",

@@ -56,7 +56,7 @@ from typing import Any, cast
 import torch
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-from ._errors import OOOConfigError
+from .._errors import OOOConfigError
 
 __all__ = [
     "ELEMENTS_PER_BLOCK",

@@ -1,13 +1,13 @@
 """A plan learned from one observed forward: regions, stages, streams, dataflow edges, estimates.
 
-:func:`learn` turns a :class:`~ooo_wrap._observe.CallRecord` into a :class:`LearnedPlan`;
+:func:`learn` turns a :class:`~ooo_wrap._planner.observe.CallRecord` into a :class:`LearnedPlan`;
 :func:`learn_plan` observes one forward of a model first. Both are pure: no stream, no event,
 no device work beyond running the forward once (on the CPU or the ``meta`` device).
 :meth:`LearnedPlan.to_plan` gives the :class:`~ooo_wrap._plan.Plan` the scheduler runs.
 
 Every time here is an estimate from the cost model on a named reference GPU, never a
 measurement. Step times come from the step simulator the race checker reports with
-(``ooo_wrap._simulate``: host launches and fork/joins, streams with their waits, a backward
+(``ooo_wrap._planner.simulate``: host launches and fork/joins, streams with their waits, a backward
 modelled from the forward, concurrent kernels sharing the GPU by occupancy). A region is
 kept only if the simulated step is faster with it than without it, by at least
 ``MIN_GAIN_FRACTION`` of the region's estimated step time and ``MIN_GAIN_US``; a plan
@@ -17,25 +17,31 @@ no faster than one stream is not learned (``no_parallelism``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 from torch import nn
 
-from ._cost import H200, ReferenceGPU
-from ._dataflow_table import format_chain, render
-from ._observe import CallRecord, observe
-from ._plan import Plan, StageSource, as_stage_names, check_streams, plan
-from ._regions import RegionKey, RegionRule, call_dag, parallels
-from ._simulate import BACKWARD_FACTOR, StepEstimate, simulate, step_ops
-from ._streams import (
-    Lane,
-    RegionPlacement,
+from .._plan import StepEstimate, as_stage_names, check_streams
+from .cost import H200, ReferenceGPU
+from .learned_plan import (
+    EdgeCount,
+    LearnedPlan,
+    LearnedStage,
+    Outcome,
+    RejectedRegion,
+    StageEdge,
+    edges_between_stages,
+)
+from .observe import CallRecord, observe
+from .placement import (
     RegionWalk,
     assign_named,
     assign_regions,
-    stage_edges,
 )
+from .regions import RegionKey, RegionRule, call_dag, parallels
+from .simulate import BACKWARD_FACTOR, simulate, step_ops
+from .static import static_plan
 
 __all__ = [
     "BACKWARD_FACTOR",
@@ -62,160 +68,6 @@ MIN_GAIN_US = 1.0
 # what it is expected to cost.
 BY_SIMULATION = False
 
-Outcome = Literal["parallel", "no_parallelism", "named"]
-
-
-@dataclass(frozen=True)
-class LearnedStage:
-    """A stage of a learned plan: estimated forward device time over all its calls."""
-
-    name: str
-    stream: int
-    calls: int
-    device_us: float
-
-
-@dataclass(frozen=True)
-class StageEdge:
-    """Data flowing from one stage call to another (through the caller's stream or not).
-
-    ``chain_link``: both calls are links of one chain (the same branch of the same region,
-    or both outside every region); such an edge across streams splits a chain.
-    """
-
-    producer: str
-    consumer: str
-    producer_stream: int
-    consumer_stream: int
-    chain_link: bool
-
-    @property
-    def cross_stream(self) -> bool:
-        return self.producer_stream != self.consumer_stream
-
-
-@dataclass(frozen=True)
-class EdgeCount:
-    """Stage-to-stage dataflow edges of one forward: all, across streams, splitting a chain."""
-
-    edges: int
-    cross_stream: int
-    chain_splits: int
-
-
-@dataclass(frozen=True)
-class RejectedRegion:
-    """A region the simulated step did not pay for: its branches, and the estimated µs of
-    the step with it, without it, and what it had to save."""
-
-    region: RegionPlacement
-    with_us: float
-    without_us: float
-    needed_us: float
-
-    def __str__(self) -> str:
-        branches = ", ".join(f"{b.device_us:.1f}" for b in self.region.branches)
-        saved = self.without_us - self.with_us
-        effect = f"save {saved:.1f} µs of" if saved >= 0 else f"add {-saved:.1f} µs to"
-        return (
-            f"region {self.region.name or '<root>'} (branches {branches} µs forward) would "
-            f"{effect} a {self.without_us:.1f} µs step; it must save {self.needed_us:.1f} µs"
-        )
-
-
-@dataclass(frozen=True)
-class LearnedPlan:
-    """The plan learned from one forward (see the module docstring for the estimates).
-
-    Attributes:
-        stages: the stages in order of first call.
-        regions: every parallel region found, with its branches and their streams (empty
-            for named stages, whose streams come from another rule).
-        edges: one per (producer call, consumer call) pair of stages, in program order.
-        max_streams: the ``streams`` asked for.
-        outcome: ``"parallel"``; ``"no_parallelism"`` when no region was found (nothing to
-            overlap: the wrapper should stop calling its backend); ``"named"`` for stages
-            the user named (kept as written, only their streams learned).
-        longest_chain: the heaviest chain of calls from the root down (for a message).
-        gpu: the reference GPU the estimates are for.
-        forward_us, plan_forward_us: estimated forward device time on one stream and with
-            this plan (``None`` for named stages: not estimated).
-        fork_join_us: estimated host time of all stage calls' forks and joins per forward.
-        notes: modules that were not made stages, and why.
-        estimate: the simulated step with this plan against one stream (``None`` for named
-            stages: not estimated).
-        rejected: regions found but not kept, with their simulated numbers.
-    """
-
-    stages: tuple[LearnedStage, ...]
-    regions: tuple[RegionPlacement, ...]
-    edges: tuple[StageEdge, ...]
-    max_streams: int
-    outcome: Outcome
-    longest_chain: tuple[str, ...]
-    gpu: str
-    forward_us: float
-    plan_forward_us: float | None
-    fork_join_us: float
-    notes: tuple[str, ...]
-    record: CallRecord = field(repr=False, compare=False)
-    lanes: Mapping[int, Lane | None] = field(repr=False, compare=False)
-    estimate: StepEstimate | None = None
-    rejected: tuple[RejectedRegion, ...] = ()
-    unfit: str = ""  # with no region found: the best candidate group of branches, and why
-
-    @property
-    def stage_streams(self) -> dict[str, int]:
-        return {stage.name: stage.stream for stage in self.stages}
-
-    @property
-    def step_us(self) -> float:
-        """Estimated step time (forward and backward) on one stream."""
-        if self.estimate is not None:
-            return self.estimate.one_stream_us
-        return self.forward_us * (1 + BACKWARD_FACTOR)
-
-    @property
-    def plan_step_us(self) -> float | None:
-        """Estimated step time with this plan (``None`` if not estimated)."""
-        return None if self.estimate is None else self.estimate.wrapped_us
-
-    @property
-    def best_rejected(self) -> RejectedRegion | None:
-        """The rejected region that came closest to paying for itself."""
-        return max(self.rejected, key=lambda r: r.without_us - r.with_us, default=None)
-
-    @property
-    def no_parallelism_message(self) -> str:
-        """The message for a ``DISABLED``/``no_parallelism`` event: the best rejected
-        region with its numbers, and the longest chain."""
-        best = self.best_rejected
-        why = f"; best rejected: {best}" if best is not None else ""
-        why = why or (f"; {self.unfit}" if self.unfit else "")
-        return (
-            f"no parallel region worth a side stream (estimated on {self.gpu}){why}; "
-            f"longest chain: {format_chain(self.longest_chain)}"
-        )
-
-    def count_edges(self, stage_streams: Mapping[str, int]) -> EdgeCount:
-        """Count the stage edges of any plan (e.g. the static one) on this forward."""
-        edges = _edges(self.record, stage_streams, self.lanes)
-        cross = [e for e in edges if e.cross_stream]
-        return EdgeCount(len(edges), len(cross), sum(e.chain_link for e in cross))
-
-    def to_plan(self, model: nn.Module, source: StageSource = "dataflow") -> Plan:
-        """The :class:`Plan` for the scheduler: these stages, on these streams (none for
-        ``no_parallelism``), with this learned plan attached for its table."""
-        if not self.stages:
-            return Plan(stages=(), max_streams=self.max_streams, source=source, learned=self)
-        base = plan(model, self.max_streams, stages=[stage.name for stage in self.stages])
-        streams = self.stage_streams
-        stages = tuple(replace(stage, stream=streams[stage.name]) for stage in base.stages)
-        return Plan(stages=stages, max_streams=self.max_streams, source=source, learned=self)
-
-    def __str__(self) -> str:
-        return render(self)
-
 
 def learn(
     record: CallRecord,
@@ -228,7 +80,7 @@ def learn(
     """Learn a plan from one observed forward.
 
     Args:
-        record: the root call, from :func:`~ooo_wrap._observe.observe`.
+        record: the root call, from :func:`~ooo_wrap._planner.observe.observe`.
         streams: the most side streams to use.
         gpu: the reference GPU of the op costs (for the region rule and the estimates).
         stages: dotted names of stages the user chose; kept as written, streams learned.
@@ -288,7 +140,7 @@ def learn(
     return LearnedPlan(
         stages=learned,
         regions=regions if outcome == "parallel" else (),
-        edges=tuple(_edges(record, stream_of, walk.lanes)),
+        edges=tuple(edges_between_stages(record, stream_of, walk.lanes)),
         max_streams=max_streams,
         outcome=outcome,
         longest_chain=tuple(call.name for call in _longest_chain(record)),
@@ -403,7 +255,9 @@ def learn_plan(
         >>> learned = learn_plan(model, (torch.randn(8, 3, 32, 32),), streams=4)
         >>> print(learned)
     """
-    plan(model, streams, stages=stages)  # the same errors as the static plan, before running
+    static_plan(
+        model, check_streams(streams), stages
+    )  # the same errors as the static plan, before running
     record = observe(model, example_inputs, example_kwargs, gpu=gpu)
     return learn(record, streams, gpu=gpu, stages=stages, by_simulation=by_simulation)
 
@@ -438,41 +292,3 @@ def _longest_chain(record: CallRecord) -> list[CallRecord]:
         if len(chain) != 1 or not chain[0].children:
             return chain
         call = chain[0]
-
-
-def _edges(
-    record: CallRecord, stage_streams: Mapping[str, int], lanes: Mapping[int, Lane | None]
-) -> list[StageEdge]:
-    parent: dict[int, CallRecord] = {}
-    by_id: dict[int, CallRecord] = {}
-    for call in record.calls():
-        by_id[call.call_id] = call
-        for child in call.children:
-            parent[child.call_id] = call
-
-    def lane(call_id: int) -> Lane | None:
-        while call_id not in lanes and call_id in parent:
-            call_id = parent[call_id].call_id
-        return lanes.get(call_id)
-
-    stage_ids = _stage_call_ids(record, stage_streams)
-    found = []
-    for producer, consumer in stage_edges(record, stage_ids):
-        p, c = by_id[producer], by_id[consumer]
-        found.append(
-            StageEdge(
-                p.name,
-                c.name,
-                stage_streams[p.name],
-                stage_streams[c.name],
-                chain_link=lane(producer) == lane(consumer),
-            )
-        )
-    return found
-
-
-def _stage_call_ids(call: CallRecord, names: Mapping[str, int]) -> set[int]:
-    ids: set[int] = set()
-    for child in call.children:
-        ids |= {child.call_id} if child.name in names else _stage_call_ids(child, names)
-    return ids

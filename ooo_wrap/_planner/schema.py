@@ -1,6 +1,6 @@
 """Which arguments an aten op writes: its schema, and the writes its schema leaves out.
 
-One reader for the dataflow planner's observer (``_observe.py``) and the race checker
+One reader for the dataflow planner's observer (``observe.py``) and the race checker
 (``testing/_ops.py``): an op both must see as a write, such as batch norm updating its
 running statistics, is then known to both or to neither.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._tensors import tensors_in
+from .._tensors import tensors_in
 
 __all__ = ["HIDDEN_WRITES", "arguments", "declared_writes"]
 

@@ -15,10 +15,10 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from ._compat import stale_capture_streams_overridden
-from ._errors import OOOConfigError, OOOError, positive_int
-from ._tensors import non_tensor_leaves
-from ._wrap import is_wrapped, mark_graphed, plan_pending, root_hooks_lifted, stage_of
+from .._compat import stale_capture_streams_overridden
+from .._errors import OOOConfigError, OOOError, positive_int
+from .._tensors import non_tensor_leaves
+from .._wrapper.module import is_wrapped, mark_graphed, plan_pending, root_hooks_lifted, stage_of
 
 __all__ = ["GraphedStep", "graphed_step", "make_graphed_callables"]
 

@@ -26,7 +26,7 @@ re-recorded on every call, so no wait ever crosses the capture's boundary.
 
 With ``overlap_forward`` the wait of step 4 is left pending until something touches the
 stage's results, and step 1 also waits on the pending joins of the stages whose outputs
-the call receives (``_deferred.py``); the hooks are then wrapped so that their own reads
+the call receives (``deferred.py``); the hooks are then wrapped so that their own reads
 of the tensors do not count as touches.
 
 ``_profiling.ProfiledScheduler`` adds profiler ranges around steps 3-4 by overriding the
@@ -48,14 +48,17 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _deferred
-from ._accumulators import Accumulators
-from ._backend import Backend, Stream
-from ._bypass import BYPASS_MESSAGES, eager_bypass_reason
-from ._compat import is_checkpoint_early_stop
-from ._errors import OOOError
-from ._events import EventKind, EventLog, OOOEvent
-from ._inflight import (
+from .._compat import is_checkpoint_early_stop
+from .._errors import OOOError
+from .._events import EventKind, EventLog, OOOEvent
+from .._plan import Plan
+from .._stats import Counters
+from .._tensors import storage_tensor, tensors_in
+from . import deferred as _deferred
+from .accumulators import Accumulators
+from .backend import Backend, Stream
+from .bypass import BYPASS_MESSAGES, eager_bypass_reason
+from .inflight import (
     NO_EVENTS,
     Frame,
     RootCall,
@@ -65,9 +68,6 @@ from ._inflight import (
     stage_depth,
     thread_state,
 )
-from ._plan import Plan
-from ._stats import Counters
-from ._tensors import storage_tensor, tensors_in
 
 __all__ = ["Scheduler", "running"]
 
@@ -85,7 +85,7 @@ class Scheduler:
         overlap_forward: bool = False,
     ) -> None:
         self._backend = backend
-        # Joins deferred until first touch (_deferred.py); read on the hot path only where
+        # Joins deferred until first touch (deferred.py); read on the hot path only where
         # a plain join would happen, so a model without it pays one attribute test there.
         self.overlap_forward = overlap_forward
         self._device = plan.stages[0].device
@@ -106,7 +106,7 @@ class Scheduler:
         # tuning during a plain step, whose backward may recompute checkpointed stages.
         self.bypass_outside_forward: str | None = None
         # Set by the wrapper: the accumulators to release when a forward runs on other
-        # streams than the one before (_accumulators.py); while a tuner runs, its root
+        # streams than the one before (accumulators.py); while a tuner runs, its root
         # pre-hook (run before any op of the forward, after this one) does it instead,
         # once it has chosen the arm.
         self.accumulators: Accumulators | None = None
@@ -134,7 +134,7 @@ class Scheduler:
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         # Reached only when a stage module is copied or pickled apart from its wrapped
-        # model (the wrapped model itself is copied without its hooks; _serialize.py).
+        # model (the wrapped model itself is copied without its hooks; _wrapper/serialize.py).
         raise OOOError(
             "a stage of a wrapped model was copied or pickled apart from the model (on its "
             "own, or through a reference outside the model's sub-modules, such as a plain "
@@ -307,7 +307,7 @@ class Scheduler:
         if local.recomputing is not None:
             # A checkpoint recomputing in backward, forked or inline: what this call saves
             # is ordered for each node that reads it as the unpack hook returns, on
-            # whatever stream that node runs (_recompute.py).
+            # whatever stream that node runs (recompute.py).
             local.recomputing.append((backend, stage.device))
         if reason is not None:
             if _deferred.pending_count():
@@ -407,7 +407,7 @@ class Scheduler:
             finally:
                 backend.set_stream(ambient)
             # With overlap_forward the wait is left pending when nothing failed and a root
-            # call will join it (_deferred.py); the outputs' record_stream above holds.
+            # call will join it (deferred.py); the outputs' record_stream above holds.
             if not (
                 self.overlap_forward
                 and local.calls

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._errors import OOOError
-from ._events import EventKind, OOOEvent
-from ._options import WrapOptions
+from .._errors import OOOError
+from .._events import EventKind, OOOEvent
+from .options import WrapOptions
 
 if TYPE_CHECKING:  # for annotations only: _wrap imports this module, never the reverse
-    from ._wrap import _WrapState
+    from .module import _WrapState
 
 # Wraps a model as the options say; returns its wrap state, or None if it fell back.
 # Passed in by _wrap (which sits above this module), so that neither imports the other.
@@ -54,7 +54,7 @@ class _WrapperHook:
     ``index`` (in install order); the new wrapper's hook of that index takes the place.
 
     Part of the pickle format of wrapped models, with :func:`_new_instance`,
-    :func:`_restore`, ``ooo_wrap._wrap._rewrap`` and ``WrapOptions``: renaming them
+    :func:`_restore`, ``ooo_wrap._wrapper.module._rewrap`` and ``WrapOptions``: renaming them
     breaks loading older pickles.
     """
 

@@ -3,7 +3,7 @@
 Until the plan is learned, a wrapped model carries only two hooks on its root (a
 :class:`Learner`). The first eager forward with gradients on (not compiling, not capturing a
 graph, not traced, not inside ``ooo_wrap.disabled()``) runs inline on the caller's stream
-under an :class:`~ooo_wrap._observe.Observer`; when it returns, the plan is learned from
+under an :class:`~ooo_wrap._planner.observe.Observer`; when it returns, the plan is learned from
 what it saw and :func:`finish` replaces the two hooks with the scheduler's (or with none at
 all when there is nothing to overlap). Correctness never depends on the plan: any stages
 on any streams run the same per-stage-call protocol, so a plan learned on one step stays
@@ -13,59 +13,40 @@ happen. If observing or learning fails, the static plan is used and an event say
 
 from __future__ import annotations
 
-import copy
 import logging
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _plan
-from ._accumulators import Accumulators
-from ._backend import Backend
-from ._bypass import eager_bypass_reason
-from ._cost import H200, ReferenceGPU
-from ._dataflow import learn, learn_plan
-from ._errors import OOOConfigError
-from ._events import EventKind, OOOEvent
-from ._handles import remove_part
-from ._observe import CallRecord, Observer
-from ._plan import Plan, StageSource, plan, plural
-from ._stats import Counters
+from .._events import EventKind, OOOEvent
+from .._plan import Plan, StageSource, plural
+from .._planner.api import named_stages, reference_gpu
+from .._planner.cost import ReferenceGPU
+from .._planner.dataflow import learn
+from .._planner.learned_plan import learned_of
+from .._planner.observe import CallRecord, Observer
+from .._planner.static import static_plan
+from .._runtime.accumulators import Accumulators
+from .._runtime.backend import Backend
+from .._runtime.bypass import eager_bypass_reason
+from .._stats import Counters
+from .handles import remove_part
 
 if TYPE_CHECKING:
-    from ._wrap import _WrapState
+    from .module import _WrapState
 
-__all__ = ["Learner", "finish", "learn_from_example", "pending_plan"]
+__all__ = ["Learner", "finish", "pending_plan"]
 
 logger = logging.getLogger("ooo_wrap")
-
-# The reference GPU of the cost estimates the region rule uses where no ``gpu=`` was given
-# (read at each learning, so that tests of plan structure on tiny CPU models can make
-# forks nearly free).
-REFERENCE_GPU = H200
-
-
-def reference_gpu(gpu: ReferenceGPU | None) -> ReferenceGPU:
-    """``gpu``, or the default reference (:data:`REFERENCE_GPU`) for ``None``."""
-    return REFERENCE_GPU if gpu is None else gpu
 
 
 def pending_plan(streams: int) -> Plan:
     """The plan of a wrapped model whose plan is still to be learned."""
     return Plan(stages=(), max_streams=streams, source="dataflow")
-
-
-def named_stages(model: nn.Module, streams: int, stages: Sequence[str] | None) -> Plan | None:
-    """The static plan if the user named the stages (argument or attribute), else ``None``.
-
-    Named stages are kept as written; only their streams are learned.
-    """
-    static = plan(model, streams, stages=stages)
-    return None if static.source == "automatic" else static
 
 
 def _learned(
@@ -75,33 +56,6 @@ def _learned(
     source: StageSource = "dataflow" if named is None else named.source
     return learn(record, streams, gpu=gpu, stages=names).to_plan(model, source)
 
-
-def learn_from_example(
-    model: nn.Module,
-    streams: int,
-    stages: Sequence[str] | None,
-    example_inputs: Sequence[Any] | None,
-    example_kwargs: Mapping[str, Any] | None,
-    gpu: ReferenceGPU | None = None,
-) -> Plan:
-    """``ooo_wrap.plan(model, example_inputs=...)``: learn on a deep copy of ``model`` (its
-    forward may update buffers, such as batch-norm statistics, which the caller's must not)."""
-    if type(model).__dict__.get("_ooo_dynamic", False):
-        raise OOOConfigError(
-            f"this {type(model).__name__} is wrapped; plan(..., example_inputs=...) takes the "
-            "plain model (print(model.plan) shows a wrapped model's plan)"
-        )
-    named = named_stages(model, streams, stages)
-    names = None if named is None else [stage.name for stage in named.stages]
-    inputs = tuple(example_inputs or ())
-    copied = copy.deepcopy(model)
-    learned = learn_plan(
-        copied, inputs, example_kwargs, streams=streams, stages=names, gpu=reference_gpu(gpu)
-    )
-    return learned.to_plan(model, "dataflow" if named is None else named.source)
-
-
-_plan.learn_from_example = learn_from_example
 
 Finish = Callable[[nn.Module, Plan, str | None], None]
 
@@ -201,7 +155,7 @@ class Learner:
     def _fail(self, module: nn.Module, why: str) -> None:
         """Fall back to the static plan (an event says why)."""
         if self.finish is not None:
-            self.finish(module, plan(module, self._streams, stages=self._stages), why)
+            self.finish(module, static_plan(module, self._streams, self._stages), why)
 
 
 def finish(
@@ -221,7 +175,7 @@ def finish(
         state.learner = None
     state.plan = the_plan
     log = state.log
-    learned = the_plan.learned
+    learned = learned_of(the_plan)
     if failure is not None:
         log.add(
             OOOEvent(
@@ -254,7 +208,7 @@ def finish(
 
 
 def _summary(the_plan: Plan) -> str:
-    learned = the_plan.learned
+    learned = learned_of(the_plan)
     assert learned is not None  # only called for learned plans
     regions = plural(len(learned.regions), "parallel region")
     text = (

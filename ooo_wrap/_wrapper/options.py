@@ -8,10 +8,10 @@ from typing import Literal
 
 from typing_extensions import get_protocol_members
 
-from ._backend import Backend
-from ._cost import ReferenceGPU, as_reference_gpu
-from ._errors import OOOConfigError
-from ._plan import as_stage_names, check_streams
+from .._errors import OOOConfigError
+from .._plan import as_stage_names, check_streams
+from .._planner.cost import ReferenceGPU, as_reference_gpu
+from .._runtime.backend import Backend
 
 __all__ = ["PLANNERS", "Planner", "Tune", "WrapOptions", "check_backend", "check_planner"]
 

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._cost import H200, ReferenceGPU, estimate_op
-from ._intercept import OpInterceptor
-from ._schema import arguments
-from ._tensors import tensors_in
+from .._tensors import tensors_in
+from .cost import H200, ReferenceGPU, estimate_op
+from .intercept import OpInterceptor
+from .schema import arguments
 
 __all__ = ["CallRecord", "Observer", "OpRecord", "observe"]
 

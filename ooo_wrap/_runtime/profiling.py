@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._inflight import StageRuntime
-from ._scheduler import Scheduler
+from .inflight import StageRuntime
+from .scheduler import Scheduler
 
 __all__ = ["ProfiledScheduler"]
 

@@ -39,16 +39,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .._plan import StepEstimate
+
 if TYPE_CHECKING:
-    from ._cost import ReferenceGPU
-    from ._observe import CallRecord, OpRecord
+    from .cost import ReferenceGPU
+    from .observe import CallRecord, OpRecord
 
 __all__ = [
     "BACKWARD_FACTOR",
     "BACKWARD_LAUNCHES",
     "SimOp",
     "SimResult",
-    "StepEstimate",
     "backward_cost",
     "estimate_step",
     "simulate",
@@ -130,32 +131,6 @@ class SimResult:
     starts: tuple[float, ...]
     ends: tuple[float, ...]
     length_us: float
-
-
-@dataclass(frozen=True)
-class StepEstimate:
-    """A step's estimated length with its streams and with the same ops on one stream.
-
-    An estimate from a cost model (roofline per op, launch and fork/join costs on the
-    host, concurrent kernels sharing the GPU by occupancy) on the reference GPU named in
-    ``gpu``, never a measurement. The same type for a learned plan and for the checker.
-    """
-
-    wrapped_us: float
-    one_stream_us: float
-    gpu: str
-
-    @property
-    def speedup(self) -> float:
-        """One-stream length over wrapped length (above 1: the streams would help)."""
-        return self.one_stream_us / self.wrapped_us if self.wrapped_us > 0 else 1.0
-
-    def __str__(self) -> str:
-        return (
-            f"estimated step: {self.wrapped_us:.1f} µs on these streams vs "
-            f"{self.one_stream_us:.1f} µs on one stream ({self.speedup:.2f}x); "
-            f"an estimate on {self.gpu}, not a measurement"
-        )
 
 
 def simulate(ops: Sequence[SimOp], *, share: bool = True) -> SimResult:
@@ -259,8 +234,8 @@ def step_ops(
     caller goes on; the backward is the forward reversed (module docstring).
     ``one_stream``: the same ops on one stream, with no fork, join or wait.
     """
-    from ._cost import ELEMENTS_PER_BLOCK
-    from ._observe import CallRecord as Call
+    from .cost import ELEMENTS_PER_BLOCK
+    from .observe import CallRecord as Call
 
     ops: list[SimOp] = []
     fwd: list[tuple[int, int, OpRecord]] = []  # (sim index, stream, forward OpRecord)

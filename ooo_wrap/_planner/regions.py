@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-from ._cost import ReferenceGPU
-from ._observe import CallRecord, OpRecord
+from .cost import ReferenceGPU
+from .observe import CallRecord, OpRecord
 
 __all__ = [
     "CallDag",
@@ -310,7 +310,7 @@ class RegionRule:
         stage; a cheaper branch would finish before the host is done forking and joining
         it, so it could not overlap anything. The heaviest branch always stays on the
         caller's stream. The group is a region when at least one other branch is worth
-        leaving. With the default :data:`ooo_wrap._cost.H200` reference GPU,
+        leaving. With the default :data:`ooo_wrap._planner.cost.H200` reference GPU,
         ``fork_join_us`` is 10 µs (a typical eager figure, not a measurement), so every
         stage of a leaving branch is estimated above 10 µs of device time.
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ._errors import warn_user
+from .._errors import warn_user
 
 __all__ = ["build_original", "wrapped_class"]
 
@@ -78,7 +78,7 @@ def wrapped_class(model: nn.Module, cls: type[nn.Module], base: type[nn.Module])
             )
         # Same __name__ as the model's class: names recorded from the class (a saved
         # config's architectures, module repr, error messages) match the plain model's.
-        # Pickle and copy never look this class up by name (see _serialize.py).
+        # Pickle and copy never look this class up by name (see serialize.py).
         _classes[key] = type(cls.__name__, (base, cls), namespace)
     return _classes[key]
 

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import _deferred
-from ._backend import Backend, Stream
-from ._bypass import eager_bypass_reason
-from ._plan import Stage
+from .._plan import Stage
+from . import deferred as _deferred
+from .backend import Backend, Stream
+from .bypass import eager_bypass_reason
 
 if TYPE_CHECKING:
-    from ._scheduler import Scheduler
+    from .scheduler import Scheduler
 
 __all__ = [
     "NO_EVENTS",
@@ -154,7 +154,7 @@ class ThreadState(threading.local):
         self.events: dict[StageRuntime, list[Any]] = {}
         self.unseen: list[str] = []  # type names tensors_in could not see into
         # Inside a checkpoint's unpack hook (it may recompute): the (backend, device) of
-        # each stage call run there (_recompute.py); None elsewhere.
+        # each stage call run there (recompute.py); None elsewhere.
         self.recomputing: list[tuple[Backend, torch.device]] | None = None
 
 

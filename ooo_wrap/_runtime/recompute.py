@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from ._backend import Backend
-from ._compat import UnpackHook, wrap_checkpoint_unpacks
-from ._inflight import thread_state
+from .._compat import UnpackHook, wrap_checkpoint_unpacks
+from .backend import Backend
+from .inflight import thread_state
 
 __all__ = ["install", "order_unpacked"]
 

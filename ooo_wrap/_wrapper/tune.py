@@ -47,15 +47,15 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from ._backend import Mark, StepClock
-from ._events import EventKind, OOOEvent
-from ._handles import remove_part
-from ._inflight import RootCall, thread_state
-from ._tensors import tensors_in
+from .._events import EventKind, OOOEvent
+from .._runtime.backend import Mark, StepClock
+from .._runtime.inflight import RootCall, thread_state
+from .._tensors import tensors_in
+from .handles import remove_part
 
 if TYPE_CHECKING:
-    from ._scheduler import Scheduler
-    from ._wrap import _WrapState
+    from .._runtime.scheduler import Scheduler
+    from .module import _WrapState
 
 __all__ = ["MIN_GAIN", "Decision", "Tuner", "Tuning", "decide"]
 

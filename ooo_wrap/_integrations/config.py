@@ -9,11 +9,11 @@ from typing import Any
 
 from torch import nn
 
-from ._backend import Backend
-from ._errors import OOOConfigError, did_you_mean
-from ._options import check_backend, check_planner
-from ._plan import check_streams
-from ._wrap import OOOModule, record_fallback
+from .._errors import OOOConfigError, did_you_mean
+from .._plan import check_streams
+from .._runtime.backend import Backend
+from .._wrapper.module import OOOModule, record_fallback
+from .._wrapper.options import check_backend, check_planner
 
 __all__ = ["from_config"]
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeAlias
 
 import torch
 
-from ._compat import stream_is_capturing
+from .._compat import stream_is_capturing
 
 __all__ = [
     "AcceleratorBackend",

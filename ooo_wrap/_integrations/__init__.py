@@ -1,0 +1,1 @@
+"""Integrations: CUDA graph recipes and the trainer-config entry point."""

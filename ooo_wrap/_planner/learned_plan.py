@@ -1,0 +1,303 @@
+"""What the dataflow planner learned, as frozen records, and how it prints as a table.
+
+:class:`LearnedPlan` is what :func:`~ooo_wrap._planner.dataflow.learn` returns: regions,
+stages, dataflow edges and estimates; :meth:`LearnedPlan.to_plan` gives the
+:class:`~ooo_wrap._plan.Plan` the scheduler runs, and ``str()`` gives its table.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from torch import nn
+
+from .._plan import Plan, StageSource, StepEstimate, plural
+from .observe import CallRecord
+from .placement import Lane, RegionPlacement, stage_edges
+from .simulate import BACKWARD_FACTOR
+from .static import static_plan
+
+__all__ = [
+    "EdgeCount",
+    "LearnedPlan",
+    "LearnedStage",
+    "Outcome",
+    "RejectedRegion",
+    "StageEdge",
+    "edges_between_stages",
+    "format_chain",
+    "learned_of",
+    "render",
+]
+
+Outcome = Literal["parallel", "no_parallelism", "named"]
+
+
+@dataclass(frozen=True)
+class LearnedStage:
+    """A stage of a learned plan: estimated forward device time over all its calls."""
+
+    name: str
+    stream: int
+    calls: int
+    device_us: float
+
+
+@dataclass(frozen=True)
+class StageEdge:
+    """Data flowing from one stage call to another (through the caller's stream or not).
+
+    ``chain_link``: both calls are links of one chain (the same branch of the same region,
+    or both outside every region); such an edge across streams splits a chain.
+    """
+
+    producer: str
+    consumer: str
+    producer_stream: int
+    consumer_stream: int
+    chain_link: bool
+
+    @property
+    def cross_stream(self) -> bool:
+        return self.producer_stream != self.consumer_stream
+
+
+@dataclass(frozen=True)
+class EdgeCount:
+    """Stage-to-stage dataflow edges of one forward: all, across streams, splitting a chain."""
+
+    edges: int
+    cross_stream: int
+    chain_splits: int
+
+
+@dataclass(frozen=True)
+class RejectedRegion:
+    """A region the simulated step did not pay for: its branches, and the estimated µs of
+    the step with it, without it, and what it had to save."""
+
+    region: RegionPlacement
+    with_us: float
+    without_us: float
+    needed_us: float
+
+    def __str__(self) -> str:
+        branches = ", ".join(f"{b.device_us:.1f}" for b in self.region.branches)
+        saved = self.without_us - self.with_us
+        effect = f"save {saved:.1f} µs of" if saved >= 0 else f"add {-saved:.1f} µs to"
+        return (
+            f"region {self.region.name or '<root>'} (branches {branches} µs forward) would "
+            f"{effect} a {self.without_us:.1f} µs step; it must save {self.needed_us:.1f} µs"
+        )
+
+
+@dataclass(frozen=True)
+class LearnedPlan:
+    """The plan learned from one forward (see the module docstring for the estimates).
+
+    Attributes:
+        stages: the stages in order of first call.
+        regions: every parallel region found, with its branches and their streams (empty
+            for named stages, whose streams come from another rule).
+        edges: one per (producer call, consumer call) pair of stages, in program order.
+        max_streams: the ``streams`` asked for.
+        outcome: ``"parallel"``; ``"no_parallelism"`` when no region was found (nothing to
+            overlap: the wrapper should stop calling its backend); ``"named"`` for stages
+            the user named (kept as written, only their streams learned).
+        longest_chain: the heaviest chain of calls from the root down (for a message).
+        gpu: the reference GPU the estimates are for.
+        forward_us, plan_forward_us: estimated forward device time on one stream and with
+            this plan (``None`` for named stages: not estimated).
+        fork_join_us: estimated host time of all stage calls' forks and joins per forward.
+        notes: modules that were not made stages, and why.
+        estimate: the simulated step with this plan against one stream (``None`` for named
+            stages: not estimated).
+        rejected: regions found but not kept, with their simulated numbers.
+    """
+
+    stages: tuple[LearnedStage, ...]
+    regions: tuple[RegionPlacement, ...]
+    edges: tuple[StageEdge, ...]
+    max_streams: int
+    outcome: Outcome
+    longest_chain: tuple[str, ...]
+    gpu: str
+    forward_us: float
+    plan_forward_us: float | None
+    fork_join_us: float
+    notes: tuple[str, ...]
+    record: CallRecord = field(repr=False, compare=False)
+    lanes: Mapping[int, Lane | None] = field(repr=False, compare=False)
+    estimate: StepEstimate | None = None
+    rejected: tuple[RejectedRegion, ...] = ()
+    unfit: str = ""  # with no region found: the best candidate group of branches, and why
+
+    @property
+    def stage_streams(self) -> dict[str, int]:
+        return {stage.name: stage.stream for stage in self.stages}
+
+    @property
+    def step_us(self) -> float:
+        """Estimated step time (forward and backward) on one stream."""
+        if self.estimate is not None:
+            return self.estimate.one_stream_us
+        return self.forward_us * (1 + BACKWARD_FACTOR)
+
+    @property
+    def plan_step_us(self) -> float | None:
+        """Estimated step time with this plan (``None`` if not estimated)."""
+        return None if self.estimate is None else self.estimate.wrapped_us
+
+    @property
+    def best_rejected(self) -> RejectedRegion | None:
+        """The rejected region that came closest to paying for itself."""
+        return max(self.rejected, key=lambda r: r.without_us - r.with_us, default=None)
+
+    @property
+    def no_parallelism_message(self) -> str:
+        """The message for a ``DISABLED``/``no_parallelism`` event: the best rejected
+        region with its numbers, and the longest chain."""
+        best = self.best_rejected
+        why = f"; best rejected: {best}" if best is not None else ""
+        why = why or (f"; {self.unfit}" if self.unfit else "")
+        return (
+            f"no parallel region worth a side stream (estimated on {self.gpu}){why}; "
+            f"longest chain: {format_chain(self.longest_chain)}"
+        )
+
+    def count_edges(self, stage_streams: Mapping[str, int]) -> EdgeCount:
+        """Count the stage edges of any plan (e.g. the static one) on this forward."""
+        edges = edges_between_stages(self.record, stage_streams, self.lanes)
+        cross = [e for e in edges if e.cross_stream]
+        return EdgeCount(len(edges), len(cross), sum(e.chain_link for e in cross))
+
+    def to_plan(self, model: nn.Module, source: StageSource = "dataflow") -> Plan:
+        """The :class:`Plan` for the scheduler: these stages, on these streams (none for
+        ``no_parallelism``), with this learned plan attached for its table."""
+        if not self.stages:
+            return Plan(stages=(), max_streams=self.max_streams, source=source, learned=self)
+        base = static_plan(model, self.max_streams, [stage.name for stage in self.stages])
+        streams = self.stage_streams
+        stages = tuple(replace(stage, stream=streams[stage.name]) for stage in base.stages)
+        return Plan(stages=stages, max_streams=self.max_streams, source=source, learned=self)
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+def edges_between_stages(
+    record: CallRecord, stage_streams: Mapping[str, int], lanes: Mapping[int, Lane | None]
+) -> list[StageEdge]:
+    parent: dict[int, CallRecord] = {}
+    by_id: dict[int, CallRecord] = {}
+    for call in record.calls():
+        by_id[call.call_id] = call
+        for child in call.children:
+            parent[child.call_id] = call
+
+    def lane(call_id: int) -> Lane | None:
+        while call_id not in lanes and call_id in parent:
+            call_id = parent[call_id].call_id
+        return lanes.get(call_id)
+
+    stage_ids = _stage_call_ids(record, stage_streams)
+    found = []
+    for producer, consumer in stage_edges(record, stage_ids):
+        p, c = by_id[producer], by_id[consumer]
+        found.append(
+            StageEdge(
+                p.name,
+                c.name,
+                stage_streams[p.name],
+                stage_streams[c.name],
+                chain_link=lane(producer) == lane(consumer),
+            )
+        )
+    return found
+
+
+def _stage_call_ids(call: CallRecord, names: Mapping[str, int]) -> set[int]:
+    ids: set[int] = set()
+    for child in call.children:
+        ids |= {child.call_id} if child.name in names else _stage_call_ids(child, names)
+    return ids
+
+
+def format_chain(names: tuple[str, ...], limit: int = 6) -> str:
+    """``a -> b -> ... -> z (n calls)``: a chain of calls, shortened past ``limit``."""
+    shown = [name or "<root>" for name in names]
+    if len(shown) > limit:
+        shown = [*shown[: limit - 2], "...", shown[-1]]
+    return " -> ".join(shown) + f" ({len(names)} calls)"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "    " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def render(learned: LearnedPlan) -> str:
+    """Several lines: outcome, estimates (labelled), regions with their stages, edges."""
+    streams = len({stage.stream for stage in learned.stages})
+    lines = [
+        f"Learned plan ({learned.outcome}): {plural(len(learned.stages), 'stage')} in "
+        f"{plural(len(learned.regions), 'region')} on {plural(streams, 'side stream')} "
+        f"(max {learned.max_streams})"
+    ]
+    if learned.outcome == "no_parallelism":
+        lines.append(f"  nothing to overlap; longest chain: {format_chain(learned.longest_chain)}")
+    if learned.estimate is not None:
+        lines.append(f"  {learned.estimate}")
+        lines.append(
+            f"    (simulated: host launches and fork/joins ({learned.fork_join_us:.1f} µs per "
+            "forward), backward from the forward, kernels sharing the GPU by occupancy)"
+        )
+    else:
+        lines.append(
+            f"  estimate on {learned.gpu}: forward {learned.forward_us:.1f} µs on one stream"
+        )
+    for rejected in learned.rejected:
+        lines.append(f"  rejected: {rejected} (an estimate on {learned.gpu})")
+    stage_us = {stage.name: stage for stage in learned.stages}
+    for region in learned.regions:
+        lines.append(f"  region {region.name or '<root>'} (width {region.width})")
+        rows: list[tuple[str, ...]] = [("branch", "call", "stream", "est. µs", "stage calls")]
+        for index, branch in enumerate(region.branches):
+            for name, us in zip(branch.calls, branch.call_us, strict=True):
+                stage = stage_us.get(name)
+                if stage is not None:
+                    rows.append(
+                        (str(index), name, str(stage.stream), f"{us:.1f}", str(stage.calls))
+                    )
+                    continue
+                inner = any(s.startswith(name + ".") for s in stage_us) if name else bool(stage_us)
+                where = "split" if inner and branch.stream is not None else "caller"
+                rows.append((str(index), f"({name})", where, f"{us:.1f}", "-"))
+        lines += _table(rows)
+    if learned.outcome == "named":
+        named: list[tuple[str, ...]] = [("stage", "stream", "est. µs", "calls")]
+        named += [
+            (s.name, str(s.stream), f"{s.device_us:.1f}", str(s.calls)) for s in learned.stages
+        ]
+        lines += _table(named)
+    pairs = Counter(
+        (e.producer, e.consumer, e.producer_stream, e.consumer_stream) for e in learned.edges
+    )
+    if pairs:
+        lines.append("  dataflow edges between stages (per forward):")
+        for (producer, consumer, a, b), count in pairs.items():
+            times = f" x{count}" if count > 1 else ""
+            lines.append(f"    {producer} [{a}] -> {consumer} [{b}]{times}")
+    lines += [f"  note: {note}" for note in learned.notes]
+    return "\n".join(lines)
+
+
+def learned_of(plan: Plan) -> LearnedPlan | None:
+    """The dataflow planner's record of ``plan``, ``None`` for a plan it did not learn."""
+    return plan.learned if isinstance(plan.learned, LearnedPlan) else None

@@ -1,0 +1,1 @@
+"""The runtime: the hot path of a wrapped model (backend, thread state, scheduler, joins)."""

@@ -1,0 +1,1 @@
+"""The wrapper: ``OOOModule``, its life from learning to unwrap, copies and pickles."""
