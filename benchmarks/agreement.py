@@ -45,7 +45,7 @@ class Towers(nn.Module):
 
 def _cases() -> dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...]]]]:
     from examples import quickstart
-    from tests import dataflow_models as models
+    from tests.support import dataflow_models as models
 
     return {
         "two towers 512-2048-512, batch 1024": lambda: (

@@ -14,7 +14,7 @@
 # from outside keeps what it had. Steps, each given what is left of the time budget; one
 # that cannot get its minimum is "not run", not failed:
 #   0. preflight: python, torch>=2.6, a visible CUDA GPU (stops here otherwise), pytest
-#   a. tests/test_cuda.py alone: the verdict that matters (per-test timeout, SIGINT at the
+#   a. tests/gpu/test_cuda.py alone: the verdict that matters (per-test timeout, SIGINT at the
 #      step's limit so that the junit report is still written)
 #   b. CUDA Stream Sanitizer: record_stream preflight, wrapped training runs that must be
 #      silent, and races it must flag (a toy, and the wrapper with its fork wait removed)
@@ -197,12 +197,12 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv || true
 fi
 
-# --- a. tests/test_cuda.py ------------------------------------------------------------------
-name="(a) tests/test_cuda.py"
+# --- a. tests/gpu/test_cuda.py ------------------------------------------------------------------
+name="(a) tests/gpu/test_cuda.py"
 if starts "$name" 30; then
   say "$name, at most $(limit "$A_WANT")s"
   rc=0
-  run_limited "$(limit "$A_WANT")" "$PYTHON" -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider \
+  run_limited "$(limit "$A_WANT")" "$PYTHON" -m pytest tests/gpu/test_cuda.py -v -rs -p no:cacheprovider \
     "${TIMEOUT_ARGS[@]}" --junitxml="$WORK/cuda.xml" || rc=$?
   v=0
   detail=$("$PYTHON" scripts/gpu_kit.py junit "$WORK/cuda.xml" --exit-status "$rc") || v=$?
@@ -271,7 +271,7 @@ elif starts "$name" 50; then
   rc=0
   # --continue-on-collection-errors: a module that fails to import is one error, and
   # every other module still runs.
-  run_limited "$(limit 300)" "$PYTHON" -m pytest tests -m cuda --ignore=tests/test_cuda.py \
+  run_limited "$(limit 300)" "$PYTHON" -m pytest tests -m cuda --ignore=tests/gpu/test_cuda.py \
     --continue-on-collection-errors -v -rs -p no:cacheprovider "${optional_timeout[@]}" \
     --junitxml="$WORK/optional.xml" || rc=$?
   v=0

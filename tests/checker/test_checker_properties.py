@@ -1,0 +1,244 @@
+"""Random models from a small grammar pass check() with bitwise parity.
+
+Checked with the static plan (round-robin, and with every layer named as a stage) and with
+the plan the dataflow planner learns on the first step.
+
+Grammar: a stem, then layers (a block, a residual block, parallel branches merged by sum or
+concat, a stage used twice), then a head (a tensor, a tuple, or a ModuleDict of heads
+returned as a dict). Blocks: linear+tanh, an MLP with dropout, a block called with a
+keyword argument, and a block that runs ``torch.utils.checkpoint`` inside. Optionally the
+whole forward runs under CPU autocast to bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ooo_wrap
+from ooo_wrap._planner import api as planner_api
+from ooo_wrap.testing import CheckReport, check
+
+pytestmark = pytest.mark.slow  # subprocesses or many random models
+
+WIDTH = 8
+BLOCKS = ("linear", "mlp", "kwargs", "checkpoint")
+LAYERS = ("block", "residual", "parallel", "twice")
+
+
+class Scaled(nn.Module):
+    """A block whose stage is called with a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return self.linear(x) * scale
+
+
+class Checkpointed(nn.Module):
+    """A block that recomputes its inside during backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(self.inner, x, use_reentrant=False)
+        return out
+
+
+def _block(kind: str) -> nn.Module:
+    if kind == "linear":
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+    if kind == "mlp":
+        return nn.Sequential(
+            nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Dropout(0.2), nn.Linear(2 * WIDTH, WIDTH)
+        )
+    if kind == "kwargs":
+        return Scaled()
+    return Checkpointed()
+
+
+def _call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = block(x, scale=0.5) if isinstance(block, Scaled) else block(x)
+    return out
+
+
+@dataclass(frozen=True)
+class Spec:
+    layers: tuple[tuple[str, tuple[str, ...], str], ...]  # (layer, block kinds, merge)
+    head: str  # tensor | tuple | dict
+    autocast: bool
+    streams: int
+
+
+class GrammarModel(nn.Module):
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.stem = nn.Linear(WIDTH, WIDTH)
+        self.layers = nn.ModuleList()
+        for layer, kinds, merge in spec.layers:
+            if layer == "parallel":
+                branches = nn.ModuleList(_block(kind) for kind in kinds)
+                entry = nn.ModuleDict({"branches": branches})
+                if merge == "cat":
+                    entry["proj"] = nn.Linear(WIDTH * len(kinds), WIDTH)
+                self.layers.append(entry)
+            else:
+                self.layers.append(_block(kinds[0]))
+        if spec.head == "dict":
+            self.heads = nn.ModuleDict(
+                {"logits": nn.Linear(WIDTH, 3), "value": nn.Linear(WIDTH, 1)}
+            )
+        elif spec.head == "tuple":
+            self.heads = nn.ModuleDict({"0": nn.Linear(WIDTH, 3), "1": nn.Linear(WIDTH, 2)})
+
+    def forward(self, x: torch.Tensor) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.spec.autocast):
+            h = self.stem(x)
+            for (layer, _, merge), module in zip(self.spec.layers, self.layers, strict=True):
+                h = self._layer(layer, merge, module, h)
+            if self.spec.head == "tensor":
+                return h
+            outputs = {name: head(h) for name, head in self.heads.items()}
+            return outputs if self.spec.head == "dict" else tuple(outputs.values())
+
+    @staticmethod
+    def _layer(layer: str, merge: str, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if layer == "block":
+            return _call(module, h)
+        if layer == "residual":
+            return h + _call(module, h)
+        if layer == "twice":
+            return _call(module, _call(module, h))
+        assert isinstance(module, nn.ModuleDict)
+        outs = [_call(branch, h) for branch in module["branches"]]
+        if merge == "cat":
+            return module["proj"](torch.cat(outs, dim=-1))
+        return torch.stack(outs).sum(0)
+
+
+_layer = st.one_of(
+    st.tuples(
+        st.sampled_from(["block", "residual", "twice"]), st.tuples(st.sampled_from(BLOCKS))
+    ).map(lambda t: (t[0], t[1], "")),
+    st.tuples(
+        st.just("parallel"),
+        st.lists(st.sampled_from(BLOCKS), min_size=2, max_size=3).map(tuple),
+        st.sampled_from(["sum", "cat"]),
+    ),
+)
+specs = st.builds(
+    Spec,
+    layers=st.lists(_layer, min_size=1, max_size=3).map(tuple),
+    head=st.sampled_from(["tensor", "tuple", "dict"]),
+    autocast=st.booleans(),
+    streams=st.integers(min_value=1, max_value=4),
+)
+
+_settings = settings(
+    max_examples=110,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@_settings
+@given(spec=specs)
+def test_random_models_pass_with_bitwise_parity(spec: Spec) -> None:
+    torch.manual_seed(0)
+    model = GrammarModel(spec)
+    report = check(model, torch.randn(4, WIDTH), streams=spec.streams, steps=2, planner="static")
+    assert report.ok, f"{spec}\n{report}"
+    assert report.parity and all(entry.max_abs_diff == 0.0 for entry in report.parity)
+    used = {row.stream for row in report.ops if row.forward and row.stream != "default"}
+    assert len(used) == min(spec.streams, len(ooo_wrap.plan(model).stages)), str(report)
+
+
+@settings(_settings, max_examples=30)
+@given(spec=specs)
+def test_random_models_pass_with_deferred_joins(spec: Spec) -> None:
+    """The same grammar under overlap_forward: every stage's join left pending until its
+    output is touched (a parent op, the next stage, the end of the forward)."""
+    torch.manual_seed(0)
+    model = GrammarModel(spec)
+    report = check(model, torch.randn(4, WIDTH), streams=spec.streams, overlap_forward=True)
+    _assert_ok_or_runs_plain(report, spec)
+    assert report.parity and all(entry.max_abs_diff == 0.0 for entry in report.parity)
+
+
+def _assert_ok_or_runs_plain(report: CheckReport, spec: Spec) -> None:
+    """Clean, or (the dataflow planner found no fork worth it) the model ran plain and the
+    report says that nothing was checked."""
+    if report.not_checked is not None and "(no_parallelism: " in report.not_checked:
+        assert report.not_checked.startswith("the model runs plain"), str(report)
+        assert not report.races and not report.allocator_hazards, str(report)
+        assert [row.stream for row in report.ops] == ["default"], str(report)
+    else:
+        assert report.ok, f"{spec}\n{report}"
+
+
+@_settings
+@given(spec=specs, steps=st.integers(min_value=1, max_value=3))
+def test_random_models_with_a_custom_loss_and_explicit_stages(spec: Spec, steps: int) -> None:
+    torch.manual_seed(1)
+    model = GrammarModel(spec)
+    stages = ["stem"]
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer, nn.ModuleDict):  # forward never calls it: name what it calls
+            stages += [f"layers.{i}.branches.{j}" for j in range(len(layer["branches"]))]
+            stages += [f"layers.{i}.proj"] if "proj" in layer else []
+        else:
+            stages.append(f"layers.{i}")
+
+    def loss_fn(output: Any) -> torch.Tensor:
+        tensors = output.values() if isinstance(output, dict) else output
+        tensors = [output] if isinstance(output, torch.Tensor) else list(tensors)
+        return sum((t.float().pow(2).mean() for t in tensors), torch.zeros(()))
+
+    report = check(
+        model, torch.randn(3, WIDTH), loss_fn=loss_fn, stages=stages, steps=steps, planner="static"
+    )
+    assert report.ok, f"{spec}\n{report}"
+    assert report.steps == steps
+
+
+# Structure only: these models are far too small for any fork to pay on a real GPU, so the
+# learner's reference GPU gets a near-free fork; the plan it learns is then checked as is.
+_FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
+
+
+@settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(spec=specs)
+def test_random_models_pass_with_the_learned_plan(spec: Spec) -> None:
+    torch.manual_seed(2)
+    model = GrammarModel(spec)
+    x = torch.randn(4, WIDTH)
+    with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
+        learned = ooo_wrap.plan(model, spec.streams, example_inputs=(x,))
+        report = check(model, x, streams=spec.streams, steps=3)
+    assert learned.learned is not None
+    edges = learned.learned.count_edges(learned.learned.stage_streams)
+    assert edges.chain_splits == 0, f"{spec}\n{learned}"
+    assert (report.not_checked is not None) == (not learned.stages), str(report)
+    _assert_ok_or_runs_plain(report, spec)
+    assert report.parity and all(entry.max_abs_diff == 0.0 for entry in report.parity)
+    used = {row.stream for row in report.ops if row.forward and row.stream != "default"}
+    assert len(used) == learned.num_streams, f"{spec}\n{learned}\n{report}"
+    has_parallel = any(layer == "parallel" for layer, _, _ in spec.layers)
+    if not has_parallel:
+        assert not learned.learned.regions or learned.stages, str(learned)

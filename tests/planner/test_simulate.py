@@ -1,0 +1,158 @@
+"""The step simulator the planner decides with and the checker reports with.
+
+Hand-made op lists pin the model (processor sharing by occupancy, host-bound issue,
+chains); small models pin the planner's decisions and that its estimate is the checker's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ooo_wrap
+from ooo_wrap._plan import StepEstimate
+from ooo_wrap._planner.cost import H200
+from ooo_wrap._planner.dataflow import learn_plan
+from ooo_wrap._planner.simulate import SimOp, simulate
+from ooo_wrap.testing import check
+from tests.support import dataflow_models as models
+
+LAUNCH = H200.launch_us
+
+
+def _kernel(stream: int, us: float, occupancy: float, waits: tuple[int, ...] = ()) -> SimOp:
+    return SimOp(stream, us, occupancy, waits, host_us=0.0)
+
+
+def test_kernels_that_fit_together_run_at_full_speed() -> None:
+    ops = [_kernel(0, 10.0, 0.5), _kernel(1, 10.0, 0.5)]
+    assert simulate(ops).length_us == pytest.approx(10.0)
+
+
+def test_two_kernels_of_occupancy_0_6_side_by_side_take_longer_than_one() -> None:
+    ops = [_kernel(0, 10.0, 0.6), _kernel(1, 10.0, 0.6)]
+    together = simulate(ops).length_us
+    assert together == pytest.approx(12.0)  # 1.2 of the GPU asked for: each at 1/1.2
+    assert 10.0 < together < 20.0
+    full = [_kernel(0, 10.0, 1.0), _kernel(1, 10.0, 1.0)]
+    assert simulate(full).length_us == pytest.approx(20.0)  # no gain when both fill it
+
+
+def test_the_kernel_floor_is_not_shared() -> None:
+    ops = [SimOp(s, 10.0, 1.0, floor_us=2.0) for s in (0, 1)]
+    assert simulate(ops).length_us == pytest.approx(18.0)  # 2 x 8 µs of work, one floor
+
+
+def test_host_bound_branches_gain_nothing() -> None:
+    # Kernels shorter than their launch: the host issues one at a time either way.
+    serial = [SimOp(0, 1.0, 0.1, host_us=LAUNCH) for _ in range(10)]
+    split = [SimOp(i % 2, 1.0, 0.1, host_us=LAUNCH) for i in range(10)]
+    assert simulate(split).length_us == pytest.approx(simulate(serial).length_us)
+
+
+def test_a_chain_across_streams_gains_nothing() -> None:
+    chain = [_kernel(i % 2, 10.0, 0.2, (i - 1,) if i else ()) for i in range(6)]
+    serial = [_kernel(0, 10.0, 0.2) for _ in range(6)]
+    assert simulate(chain).length_us == pytest.approx(simulate(serial).length_us)
+
+
+def test_a_host_sync_holds_the_host_and_waits_order_streams() -> None:
+    ops = [
+        SimOp(0, 50.0, 0.1, host_us=LAUNCH),
+        SimOp(1, 10.0, 0.1, waits=(0,), host_us=LAUNCH),  # after op 0
+        SimOp(0, 5.0, 0.1, host_us=LAUNCH, sync=True),
+        SimOp(1, 1.0, 0.1, host_us=LAUNCH),  # issued once the sync returned
+    ]
+    result = simulate(ops)
+    assert result.starts[1] == pytest.approx(LAUNCH + 50)
+    assert result.ends[2] == pytest.approx(LAUNCH + 55)
+    assert result.starts[3] == pytest.approx(LAUNCH + 55 + LAUNCH)
+
+
+class _TinyTowers(nn.Module):
+    """Four towers of small matmuls: each kernel shorter than its launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.towers = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)) for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t(x) for t in self.towers]).sum(0)
+
+
+def test_a_tiny_host_bound_towers_model_learns_no_parallelism_and_says_why() -> None:
+    learned = learn_plan(_TinyTowers(), (torch.randn(8, 32),), by_simulation=True)
+    assert learned.outcome == "no_parallelism" and not learned.stages
+    message = learned.no_parallelism_message
+    assert "best candidate: 4 branches" in message and "µs forward" in message, message
+    assert learned.estimate is not None and learned.estimate.speedup == pytest.approx(1.0)
+
+
+def test_a_residual_chain_learns_no_parallelism() -> None:
+    learned = learn_plan(models.ResidualChain(), (torch.randn(64, 512),), by_simulation=True)
+    assert learned.outcome == "no_parallelism"
+    assert "longest chain" in learned.no_parallelism_message
+
+
+def test_no_learned_plan_is_slower_than_one_stream_by_the_simulation() -> None:
+    model = models.Inception().to("meta")
+    ruled = learn_plan(model, (models.inception_input(),), by_simulation=False)
+    judged = learn_plan(model, (models.inception_input(),), by_simulation=True)
+    assert ruled.estimate is not None and judged.estimate is not None
+    assert judged.estimate.wrapped_us <= judged.estimate.one_stream_us
+    assert judged.estimate.wrapped_us <= ruled.estimate.wrapped_us + 1e-6
+    if ruled.estimate.speedup < 1.0:  # the rule alone would lose: the simulation says so
+        assert judged.rejected
+
+
+def test_plan_and_check_report_one_estimate_type() -> None:
+    model = _TinyTowers()
+    x = torch.randn(8, 32)
+    learned = ooo_wrap.plan(model, example_inputs=(x,))
+    assert isinstance(learned.estimate, StepEstimate)
+    assert ooo_wrap.plan(model).estimate is None  # a static plan is never estimated
+    report = check(model, x, planner="static")
+    assert isinstance(report.estimate, StepEstimate)
+    for text in (str(learned), str(report)):
+        assert f"an estimate on {H200.name}" in text
+
+
+class _TwoTowers(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
+        self.b = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+def test_the_plan_estimate_agrees_with_the_checkers_for_the_same_plan() -> None:
+    torch.manual_seed(0)
+    model = _TwoTowers(256)
+    x = torch.randn(512, 256)
+    learned = learn_plan(model, (x,))
+    assert learned.stages and learned.estimate is not None
+    report = check(model, x)
+    assert report.ok
+    planned, checked = learned.estimate, report.estimate
+    assert planned.wrapped_us == pytest.approx(checked.wrapped_us, rel=0.10)
+    assert planned.one_stream_us == pytest.approx(checked.one_stream_us, rel=0.10)
+
+
+def test_a_long_step_finishes() -> None:
+    # Millions of µs in: a duration far below the float spacing at ``now`` must still end
+    # the op it belongs to, and the loop must advance.
+    ops = [SimOp(0, 8220283.5, 0.95), SimOp(1, 10989302.6, 0.78), SimOp(0, 1e7, 0.7)]
+    result = simulate(ops)
+    # No faster than stream 0's two ops in a row, no slower than all three in a row.
+    assert 8220283.5 + 1e7 <= result.length_us <= 8220283.5 + 10989302.6 + 1e7
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_costs_are_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        simulate([SimOp(0, bad)])

@@ -1,0 +1,1 @@
+"""Models, factories and helpers shared by the tests."""

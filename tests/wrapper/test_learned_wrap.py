@@ -1,0 +1,324 @@
+"""The dataflow planner inside OOOModule: learn on the first training forward, then run it.
+
+The models with known dataflow (Inception-style blocks, a residual chain, a GPT-style stack,
+a two-tower model with a shared embedding, an MoE layer with a shared expert) are wrapped
+with the default planner, trained on virtual streams and checked by the race checker.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ooo_wrap
+from benchmarks.overhead import CountingBackend
+from ooo_wrap import EventKind, OOOModule
+from ooo_wrap._plan import Plan
+from ooo_wrap.testing import SimulatedBackend, check
+from tests.support import dataflow_models as models
+
+# These tests are about how the wrapper learns and runs a plan, on small models: every
+# region the region rule finds is kept (tests/planner/test_simulate.py covers which ones the
+# simulated step pays for).
+
+Case = tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]
+
+# CPU sizes: small enough to train under the checker, large enough (under the cost model's
+# reference GPU) for the parallel branches to be worth a side stream.
+CASES: dict[str, Case] = {
+    "inception": (
+        lambda: models.Inception(blocks=2, c=32, width=32),
+        lambda: (torch.randn(8, 3, 32, 32),),
+    ),
+    "residual": (lambda: models.ResidualChain(dim=256, depth=4), lambda: (torch.randn(32, 256),)),
+    "gpt": (lambda: models.GPT(depth=2), lambda: (torch.randint(0, 1000, (4, 64)),)),
+    "two_tower": (models.TwoTower, models.two_tower_inputs),
+    "moe": (models.MoE, lambda: (models.moe_input(),)),
+}
+
+
+def build(case: str) -> tuple[nn.Module, tuple[Any, ...]]:
+    make, inputs = CASES[case]
+    torch.manual_seed(0)
+    return make(), inputs()
+
+
+def loss(output: torch.Tensor) -> torch.Tensor:
+    return output.float().pow(2).mean()
+
+
+def train_step(model: nn.Module, inputs: tuple[Any, ...]) -> None:
+    loss(model(*inputs)).backward()
+
+
+@functools.cache
+def learned(case: str) -> tuple[nn.Module, Plan]:
+    """``case`` wrapped with the default planner after one training step (once a session)."""
+    model, inputs = build(case)
+    wrapped = OOOModule(model, backend=SimulatedBackend())
+    assert wrapped.plan.pending
+    train_step(wrapped, inputs)
+    return wrapped, wrapped.plan
+
+
+def stream_of(the_plan: Plan, name: str) -> int | None:
+    """The side stream of stage ``name``; ``None`` if it runs on the caller's stream."""
+    return next((s.stream for s in the_plan.stages if s.name == name), None)
+
+
+def test_the_plan_says_it_will_be_learned_then_shows_the_learned_table() -> None:
+    model, inputs = build("two_tower")
+    wrapped = OOOModule(model, backend=SimulatedBackend())
+    assert "to be learned" in str(wrapped.plan) and not wrapped.plan.stages
+    train_step(wrapped, inputs)
+    table = str(wrapped.plan)
+    assert "Learned plan (parallel)" in table and "region <root>" in table
+    assert "estimate on NVIDIA H200" in table and "est. µs" in table
+    assert "step" in table and "on one stream" in table
+    (learned_event,) = [e for e in wrapped.events if e.kind is EventKind.PLANNED]
+    assert learned_event.reason == "learned" and "not a measurement" in learned_event.message
+
+
+def test_inception_gets_the_block_branches_on_distinct_streams_and_chains_on_one() -> None:
+    _, the_plan = learned("inception")
+    assert the_plan.stages and all(s.name.startswith("blocks.") for s in the_plan.stages)
+    for block in ("blocks.0", "blocks.1"):
+        branches = {
+            "b1": [f"{block}.b1"],
+            "b2": [f"{block}.b2", f"{block}.b2_conv"],
+            "b3": [f"{block}.b3_reduce", f"{block}.b3_a", f"{block}.b3_b"],
+            "pool": [f"{block}.pool"],
+        }
+        streams = []
+        for links in branches.values():
+            link_streams = {stream_of(the_plan, link) for link in links}
+            assert len(link_streams) == 1, f"a chain split across streams: {links}"
+            streams.append(link_streams.pop())
+        side = [s for s in streams if s is not None]
+        assert len(side) == len(set(side)) and len(side) >= 1  # distinct, heaviest inline
+    assert the_plan.learned is not None
+    assert the_plan.learned.count_edges(the_plan.learned.stage_streams).chain_splits == 0
+
+
+@pytest.mark.parametrize("case", ["residual", "gpt"])
+def test_chains_learn_no_parallelism_and_then_make_no_backend_call(case: str) -> None:
+    model, inputs = build(case)
+    backend = CountingBackend()
+    wrapped = OOOModule(model, backend=backend)
+    train_step(wrapped, inputs)
+    (disabled,) = [e for e in wrapped.events if e.kind is EventKind.DISABLED]
+    assert disabled.reason == "no_parallelism" and "longest chain:" in disabled.message
+    assert "->" in disabled.message
+    stats = wrapped.stats
+    backend.calls.clear()
+    for _ in range(3):
+        train_step(wrapped, inputs)
+    assert sum(backend.calls.values()) == 0, backend.calls
+    assert wrapped.stats == stats  # stage calls (and forwards) are no longer counted
+    assert not wrapped.plan.stages and "no_parallelism" in str(wrapped.plan)
+    assert isinstance(wrapped, OOOModule)
+    plain = ooo_wrap.unwrap(wrapped)
+    assert type(plain) is type(build(case)[0])
+    train_step(plain, inputs)
+
+
+def test_two_towers_run_on_different_streams_with_their_projections() -> None:
+    _, the_plan = learned("two_tower")
+    query, doc = stream_of(the_plan, "query_tower"), stream_of(the_plan, "doc_tower")
+    assert query != doc  # one of them may stay on the caller's stream
+    for tower, proj in (("query_tower", "query_proj"), ("doc_tower", "doc_proj")):
+        assert stream_of(the_plan, proj) in (stream_of(the_plan, tower), None)
+
+
+def test_moe_finds_the_shared_expert_against_the_routed_ones() -> None:
+    _, the_plan = learned("moe")
+    assert the_plan.learned is not None and the_plan.learned.regions
+    shared = stream_of(the_plan, "shared")
+    experts = {stream_of(the_plan, f"experts.{i}") for i in range(4)}
+    assert shared not in experts
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_check_learns_on_the_first_step_and_is_clean_with_bitwise_parity(case: str) -> None:
+    model, inputs = build(case)
+    report = check(model, *inputs, loss_fn=loss, steps=2)
+    _, the_plan = learned(case)
+    if not the_plan.stages:  # a chain: no_parallelism, the model runs plain, nothing checked
+        assert report.not_checked is not None and not report.ok
+        assert report.not_checked.startswith("the model runs plain (no_parallelism: ")
+    else:
+        assert report.ok, str(report)
+    assert all(entry.max_abs_diff == 0.0 for entry in report.parity)
+    assert any(note.startswith("planned/learned") for note in report.notes)
+    side = {row.stream for row in report.ops if row.forward and row.stream != "default"}
+    assert len(side) == the_plan.num_streams  # the learned stages ran there in step 2
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cross_stream_waits_per_step_learned_against_static(
+    case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    per_step = {}
+    for planner in ("dataflow", "static"):
+        model, inputs = build(case)
+        wrapped = OOOModule(model, backend=SimulatedBackend(), planner=planner)
+        train_step(wrapped, inputs)  # the dataflow planner learns here
+        before = wrapped.stats
+        train_step(wrapped, inputs)
+        after = wrapped.stats
+        per_step[planner] = (after.waits - before.waits) + (after.joins - before.joins)
+        if planner == "dataflow":
+            learned_plan = wrapped.plan.learned
+    assert learned_plan is not None
+    static_model, _ = build(case)
+    static_streams = {s.name: s.stream for s in ooo_wrap.plan(static_model).stages}
+    mine = learned_plan.count_edges(learned_plan.stage_streams)
+    theirs = learned_plan.count_edges(static_streams)
+    with capsys.disabled():
+        print(
+            f"\n{case}: cross-stream waits per step learned {per_step['dataflow']}, static "
+            f"{per_step['static']}; stage edges across streams learned {mine.cross_stream}/"
+            f"{mine.edges}, static {theirs.cross_stream}/{theirs.edges} (chain links split: "
+            f"{theirs.chain_splits})"
+        )
+    assert mine.chain_splits == 0  # a chain link split across streams is a failure
+    if learned_plan.outcome == "no_parallelism":
+        assert per_step["dataflow"] == 0
+
+
+def test_no_grad_and_disabled_forwards_do_not_learn() -> None:
+    model, inputs = build("two_tower")
+    wrapped = OOOModule(model, backend=SimulatedBackend())
+    with torch.no_grad():
+        wrapped(*inputs)
+    with ooo_wrap.disabled():
+        wrapped(*inputs)
+    assert wrapped.plan.pending
+    train_step(wrapped, inputs)
+    assert not wrapped.plan.pending and wrapped.plan.stages
+
+
+def test_a_forward_that_raises_while_observed_learns_on_the_next_one() -> None:
+    model, inputs = build("two_tower")
+    wrapped = OOOModule(model, backend=SimulatedBackend())
+    hooks_before = {name: len(m._forward_hooks) for name, m in wrapped.named_modules()}
+    with pytest.raises(RuntimeError):
+        wrapped(inputs[0][:, :3].float(), inputs[1])  # float ids: the embedding raises
+    assert wrapped.plan.pending
+    assert {name: len(m._forward_hooks) for name, m in wrapped.named_modules()} == hooks_before
+    train_step(wrapped, inputs)
+    assert wrapped.plan.stages
+
+
+def test_learning_that_fails_falls_back_to_the_static_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ooo_wrap._wrapper import learn as _learn
+
+    def broken(*args: Any, **kwargs: Any) -> Plan:
+        raise ValueError("no plan today")
+
+    monkeypatch.setattr(_learn, "_learned", broken)
+    model, inputs = build("two_tower")
+    wrapped = OOOModule(model, backend=SimulatedBackend())
+    train_step(wrapped, inputs)
+    (event,) = [e for e in wrapped.events if e.kind is EventKind.PLANNED]
+    assert event.reason == "static_fallback" and "no plan today" in event.message
+    assert wrapped.plan == ooo_wrap.plan(build("two_tower")[0])
+    train_step(wrapped, inputs)
+    assert wrapped.stats.stage_calls == len(wrapped.plan.stages) + 1  # the embedding twice
+
+
+def test_replan_learns_again_on_the_next_forward() -> None:
+    model, inputs = build("two_tower")
+    wrapped = OOOModule(model, backend=SimulatedBackend())
+    train_step(wrapped, inputs)
+    first = wrapped.plan
+    wrapped.replan()
+    assert wrapped.plan.pending
+    assert [e.reason for e in wrapped.events if e.kind is EventKind.PLANNED][-1] == "replan"
+    train_step(wrapped, inputs)
+    assert wrapped.plan == first
+    calls = wrapped.stats.stage_calls
+    train_step(wrapped, inputs)
+    assert wrapped.stats.stage_calls == calls + len(first.stages)
+
+
+def test_replan_after_no_parallelism_learns_again() -> None:
+    model, inputs = build("residual")
+    wrapped = OOOModule(model, backend=SimulatedBackend())
+    train_step(wrapped, inputs)
+    assert not wrapped.plan.stages
+    wrapped.replan()
+    assert wrapped.plan.pending
+    train_step(wrapped, inputs)
+    disabled = [e for e in wrapped.events if e.kind is EventKind.DISABLED]
+    assert disabled[-1].reason == "no_parallelism" and disabled[-1].count == 2
+
+
+def test_replan_is_refused_for_the_static_planner() -> None:
+    model, _ = build("two_tower")
+    wrapped = OOOModule(model, backend=SimulatedBackend(), planner="static")
+    with pytest.raises(ooo_wrap.OOOConfigError, match="planner='static'"):
+        wrapped.replan()
+
+
+def test_plan_with_example_inputs_is_the_plan_the_wrapper_learns() -> None:
+    model, inputs = build("inception")
+    stats_before = copy.deepcopy(model.blocks[0].b1[1].running_mean)
+    offline = ooo_wrap.plan(model, example_inputs=inputs)
+    assert torch.equal(model.blocks[0].b1[1].running_mean, stats_before)  # learned on a copy
+    _, online = learned("inception")
+    assert offline == online and offline.source == "dataflow"
+
+
+def test_named_stages_keep_their_names_and_learn_their_streams() -> None:
+    model, inputs = build("inception")
+    names = ["blocks.0.b3_reduce", "blocks.0.b3_a", "blocks.0.b3_b", "blocks.0.b1"]
+    wrapped = OOOModule(model, stages=names, backend=SimulatedBackend())
+    train_step(wrapped, inputs)
+    assert [s.name for s in wrapped.plan.stages] == names
+    assert wrapped.plan.source == "argument"
+    chain = {stream_of(wrapped.plan, name) for name in names[:3]}
+    assert len(chain) == 1  # round-robin would put these three on three streams
+    assert stream_of(wrapped.plan, "blocks.0.b1") not in chain
+
+
+def test_the_planner_option_is_checked() -> None:
+    model, _ = build("two_tower")
+    with pytest.raises(ooo_wrap.OOOConfigError, match="planner must be one of"):
+        OOOModule(model, backend=SimulatedBackend(), planner="greedy")  # type: ignore[arg-type]
+    assert type(model) is models.TwoTower
+
+
+def test_the_cli_prints_the_learned_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from ooo_wrap._cli import main
+
+    assert main(["plan", "examples.quickstart:build_model", "--input", "8x64"]) == 0
+    out = capsys.readouterr().out
+    assert "stages from dataflow" in out and "Learned plan" in out
+    assert main(["plan", "examples.quickstart:build_model"]) == 0
+    assert "pass --input SHAPE" in capsys.readouterr().out
+
+
+def test_a_deep_copy_of_a_learned_model_learns_its_own_plan() -> None:
+    model, inputs = build("two_tower")
+    wrapped = OOOModule(model, backend=SimulatedBackend())
+    train_step(wrapped, inputs)
+    clone = copy.deepcopy(wrapped)
+    assert isinstance(clone, OOOModule) and clone.plan.pending  # same options, fresh learning
+    train_step(clone, inputs)
+    assert clone.plan == wrapped.plan
+
+
+def test_check_with_one_step_says_nothing_was_checked() -> None:
+    model, inputs = build("two_tower")
+    report = check(model, *inputs, loss_fn=loss, steps=1)
+    assert not report.ok and report.not_checked is not None
+    assert "pass steps >= 2" in report.not_checked

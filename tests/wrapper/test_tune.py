@@ -1,0 +1,650 @@
+"""Measured tuning: plain and planned steps timed on a simulated clock, the faster kept."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import pickle
+import random
+import re
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from torch import nn
+
+import ooo_wrap
+from ooo_wrap import EventKind, OOOConfigError
+from ooo_wrap._wrapper.tune import MAX_ROUNDS, decide
+from ooo_wrap.testing import SimulatedBackend
+from ooo_wrap.testing._simulated import StreamCall
+from tests.support.distributed import REPO_ROOT
+from tests.support.models import hook_count, make_two_towers, two_tower_input
+
+STAGES = ["towers.0", "towers.1"]
+StepTime = Callable[[Sequence[StreamCall]], float]
+
+
+def _forked(calls: Sequence[StreamCall]) -> bool:
+    """Whether a step's calls include a stage call run on its side stream."""
+    return any(call.op == "set_stream" and call.stream.id != 0 for call in calls)
+
+
+def planned_ms(plan: float, plain: float) -> StepTime:
+    """Steps that used side streams take ``plan`` ms, the others ``plain`` ms."""
+    return lambda calls: plan if _forked(calls) else plain
+
+
+def noisy_ms(plan: float, plain: float, noise: float, seed: int = 0) -> StepTime:
+    """As :func:`planned_ms`, each step scaled by a uniform factor within ``noise``."""
+    rng = random.Random(seed)
+    base = planned_ms(plan, plain)
+    return lambda calls: base(calls) * (1 + rng.uniform(-noise, noise))
+
+
+def slow_plan_ms(calls: Sequence[StreamCall]) -> float:
+    """Module-level (picklable): side streams make the step slower."""
+    return 12.0 if _forked(calls) else 10.0
+
+
+def wrap(
+    step_time: StepTime | None, *, planner: str = "static", **options: object
+) -> tuple[nn.Module, SimulatedBackend]:
+    backend = SimulatedBackend(step_time=step_time, keep_all=True)
+    model = ooo_wrap.OOOModule(
+        make_two_towers(),
+        backend=backend,
+        stages=STAGES,
+        planner=planner,  # type: ignore[arg-type]
+        **options,  # type: ignore[arg-type]
+    )
+    return model, backend
+
+
+def train(model: nn.Module, steps: int, x: torch.Tensor | None = None) -> None:
+    x = two_tower_input() if x is None else x
+    for _ in range(steps):
+        loss = model(x).sum()
+        loss.backward()
+
+
+def until_decided(model: nn.Module, limit: int = 200) -> int:
+    """Train until tuning decides; the number of forwards it took."""
+    for step in range(1, limit + 1):
+        train(model, 1)
+        assert model.tuning is not None
+        if model.tuning.decision != "pending":
+            return step
+    raise AssertionError(f"tuning did not decide in {limit} forwards: {model.tuning}")
+
+
+def kinds(model: nn.Module) -> list[tuple[EventKind, str]]:
+    return [(event.kind, event.reason) for event in model.events]
+
+
+def side_stream_calls(backend: SimulatedBackend) -> int:
+    return sum(call.op == "set_stream" and call.stream.id != 0 for call in backend.log)
+
+
+def syncs(backend: SimulatedBackend) -> int:
+    return sum("synchronize" in call.op for call in backend.log)
+
+
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+def test_a_plan_measured_faster_is_kept(planner: str) -> None:
+    model, backend = wrap(planned_ms(8.0, 10.0), planner=planner)
+    until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert tuning.plan_median_ms == 8.0 and tuning.plain_median_ms == 10.0
+    assert tuning.speedup == pytest.approx(1.25)
+    assert len(tuning.plan_ms) == len(tuning.plain_ms) == 6
+    assert (EventKind.TUNED, "kept") in kinds(model)
+    # Afterwards: stages still fork, and the tuner's marks are gone from the hot path.
+    backend.clear_log()
+    train(model, 2)
+    assert side_stream_calls(backend) == 4
+    assert not any(call.op == "record_timing_event" for call in backend.log)
+    assert syncs(backend) == 0
+
+
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+def test_a_plan_measured_slower_is_dropped(planner: str) -> None:
+    model, backend = wrap(slow_plan_ms, planner=planner)
+    until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plain"
+    assert tuning.speedup == pytest.approx(10 / 12)
+    disabled = [e for e in model.events if e.kind is EventKind.DISABLED]
+    assert disabled[-1].reason == "measured_slower"
+    assert "12.000 ms with the plan vs 10.000 ms plain" in disabled[-1].message
+    # No hook left at all, as with no_parallelism: the plain model runs.
+    assert hook_count(model) == 0
+    backend.clear_log()
+    train(model, 2)
+    assert side_stream_calls(backend) == 0
+
+
+def test_a_small_gain_inside_large_noise_is_not_kept_and_costs_one_sync() -> None:
+    model, backend = wrap(noisy_ms(9.9, 10.0, noise=0.3))
+    until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plain"
+    # Unclear evidence: more pairs ran, up to the cap, then one host sync read them all.
+    assert min(len(tuning.plan_ms), len(tuning.plain_ms)) == MAX_ROUNDS * 6
+    assert syncs(backend) == 1
+
+
+def test_a_clear_decision_needs_no_host_sync() -> None:
+    model, backend = wrap(noisy_ms(5.0, 10.0, noise=0.05))
+    until_decided(model)
+    assert model.tuning is not None and model.tuning.decision == "plan"
+    assert syncs(backend) == 0
+
+
+def test_tuned_training_is_bitwise_plain_training() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    plain = make_two_towers()
+    x = two_tower_input()
+    for net in (model, plain):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(30):
+            optimizer.zero_grad()
+            net(x).pow(2).sum().backward()
+            optimizer.step()
+    assert model.tuning is not None and model.tuning.decision == "plan"
+    for (name, a), (_, b) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def _priced_per_call(calls: Sequence[StreamCall]) -> float:
+    """1 ms per scheduler call (the tuner's own are free), 1000 ms per probe call."""
+    free = ("current_stream", "record_timing_event")
+    return sum(
+        1000.0 if call.tensor == "float32[7]" else float(call.op not in free) for call in calls
+    )
+
+
+def test_evaluation_forwards_are_cut_out_of_the_steps() -> None:
+    # A probe logs a recognizable call inside evaluation forwards only, priced at 1000 ms:
+    # any of it in a counted step would show in the step times.
+    probe = torch.empty(7)
+    found = []
+    for evaluate in (False, True):
+        backend = SimulatedBackend(step_time=_priced_per_call)
+        model = ooo_wrap.OOOModule(
+            make_two_towers(), backend=backend, stages=STAGES, planner="static"
+        )
+
+        def log_probe_in_eval(module: nn.Module, args: object, backend=backend) -> None:
+            if not torch.is_grad_enabled():
+                backend.record_stream(probe, backend.current_stream())
+
+        model.get_submodule("towers.0").register_forward_pre_hook(log_probe_in_eval)
+        x = two_tower_input()
+        for _ in range(100):
+            train(model, 1, x)
+            if evaluate:
+                with torch.no_grad():
+                    model(x)
+            assert model.tuning is not None
+            if model.tuning.decision != "pending":
+                break
+        found.append(model.tuning)
+        assert any(call.tensor == "float32[7]" for call in backend.log) == evaluate
+    without, with_eval = found
+    assert without is not None and with_eval is not None
+    assert with_eval.decision == without.decision
+    assert with_eval.plan_ms == without.plan_ms and with_eval.plain_ms == without.plain_ms
+    assert max(with_eval.plan_ms + with_eval.plain_ms) < 1000.0
+
+
+def test_forwards_that_must_not_count_are_skipped() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    x = two_tower_input()
+    train(model, 4, x)  # warm-ups, then one counted step of each arm
+    with ooo_wrap.disabled():
+        train(model, 1, x)  # a step of the user's own inline model
+    train(model, 1, two_tower_input(batch=7))  # other input shapes
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "pending"
+    # Counted: the steps opened by forwards 3 and 4 (closed by forwards 4 and 5); the
+    # disabled and reshaped steps were not.
+    train(model, 2, x)
+    tuning = model.tuning
+    assert tuning is not None
+    assert len(tuning.plan_ms) + len(tuning.plain_ms) == 3
+    assert set(tuning.plan_ms) <= {8.0} and set(tuning.plain_ms) <= {10.0}
+
+
+def test_a_forward_that_raised_opens_no_counted_step() -> None:
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.towers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.fail = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.towers[0](x) + self.towers[1](x)
+            if self.fail:
+                raise RuntimeError("boom")
+            return out
+
+    # The step a failing forward opens is priced at 1000 ms (the clock is read when the
+    # next forward's mark ends it): it must never be counted.
+    inner = Failing()
+    clock = planned_ms(8.0, 10.0)
+    after_failure = [False]
+    backend = SimulatedBackend(step_time=lambda c: 1000.0 if after_failure[0] else clock(c))
+    model = ooo_wrap.OOOModule(inner, backend=backend, stages=STAGES, planner="static")
+    x = two_tower_input()
+    for step in range(60):
+        inner.fail = step % 3 == 1
+        if inner.fail:
+            with pytest.raises(RuntimeError, match="boom"):
+                model(x)
+        else:
+            model(x).sum().backward()
+        after_failure[0] = inner.fail
+        assert model.tuning is not None
+        if model.tuning.decision != "pending":
+            break
+    assert model.tuning is not None and model.tuning.decision == "plan"
+    assert max(model.tuning.plan_ms + model.tuning.plain_ms) < 1000.0
+
+
+def test_a_capture_before_the_decision_is_reported_and_not_timed() -> None:
+    model, backend = wrap(planned_ms(8.0, 10.0))
+    x = two_tower_input()
+    train(model, 3, x)
+    backend.clear_log()
+    with backend.capturing():
+        train(model, 1, x)
+    assert not any(call.op == "record_timing_event" for call in backend.log)
+    assert side_stream_calls(backend) == 2  # the capture holds the planned arm
+    assert (EventKind.TUNED, "not_finished") in kinds(model)
+    assert model.tuning is not None and model.tuning.decision == "pending"
+    until_decided(model)
+    assert model.tuning.decision == "plan"
+
+
+def test_a_backend_that_cannot_time_does_not_tune() -> None:
+    model = ooo_wrap.OOOModule(
+        make_two_towers(), backend=SimulatedBackend(), stages=STAGES, planner="static"
+    )
+    train(model, 3)
+    assert model.tuning is None
+    assert not any(event.kind is EventKind.TUNED for event in model.events)
+    with pytest.raises(OOOConfigError, match="tune=True measures steps on the device"):
+        ooo_wrap.OOOModule(make_two_towers(), backend=SimulatedBackend(), tune=True)
+    with pytest.raises(OOOConfigError, match="does not tune"):
+        model.retune()
+
+
+def test_tune_false_never_tunes() -> None:
+    model, backend = wrap(planned_ms(8.0, 10.0), tune=False)
+    train(model, 20)
+    assert model.tuning is None
+    assert not any(call.op == "record_timing_event" for call in backend.log)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"tune": "yes"}, "tune must be True, False or 'auto'"),
+        ({"tune": 1}, "tune must be True, False or 'auto'"),
+        ({"tune_steps": 1}, "tune_steps must be an int of at least 2"),
+        ({"tune_steps": True}, "tune_steps must be an int of at least 2"),
+    ],
+)
+def test_bad_tune_options_are_refused(options: dict[str, object], match: str) -> None:
+    with pytest.raises(OOOConfigError, match=match):
+        wrap(planned_ms(8.0, 10.0), **options)
+
+
+def test_replan_and_retune_tune_again() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0), planner="dataflow")
+    until_decided(model)
+    model.retune()
+    assert model.tuning is not None and model.tuning.decision == "pending"
+    until_decided(model)
+    assert model.tuning.decision == "plan"
+    model.replan()
+    train(model, 1)  # the learning forward
+    assert model.tuning is not None and model.tuning.decision == "pending"
+    until_decided(model)
+    assert model.tuning.decision == "plan"
+
+
+def test_retune_after_measured_slower_puts_the_plan_back() -> None:
+    calls: list[float] = []
+    slower = [True]
+
+    def step_time(log: Sequence[StreamCall]) -> float:
+        calls.append(1.0)
+        return (12.0 if slower[0] else 6.0) if _forked(log) else 10.0
+
+    model, backend = wrap(step_time)
+    until_decided(model)
+    assert model.tuning is not None and model.tuning.decision == "plain"
+    slower[0] = False
+    model.retune()
+    until_decided(model)
+    assert model.tuning.decision == "plan"
+    backend.clear_log()
+    train(model, 1)
+    assert side_stream_calls(backend) == 2
+
+
+def test_retune_without_a_plan_says_so() -> None:
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.b(self.a(x))
+            return out
+
+    model = ooo_wrap.OOOModule(Chain(), backend=SimulatedBackend(step_time=slow_plan_ms))
+    model(torch.randn(2, 4)).sum().backward()  # learns no_parallelism
+    with pytest.raises(OOOConfigError, match="no plan to measure"):
+        model.retune()
+
+
+def test_copies_and_pickles_carry_the_option_and_tune_on_their_own() -> None:
+    model, _ = wrap(slow_plan_ms)
+    train(model, 5)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert clone.tuning is not None and clone.tuning.decision == "pending"
+        assert clone.tuning.plan_ms == () and clone.tuning.plain_ms == ()
+        until_decided(clone)
+        assert clone.tuning.decision == "plain"
+
+
+def test_overlap_forward_tunes_too() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0), overlap_forward=True)
+    until_decided(model)
+    assert model.tuning is not None and model.tuning.decision == "plan"
+
+
+def test_from_config_passes_ooo_tune() -> None:
+    def wrapped(**config: object) -> nn.Module:
+        backend = SimulatedBackend(step_time=planned_ms(8.0, 10.0))
+        config = {"ooo_backprop": True, "ooo_planner": "static", **config}
+        model = ooo_wrap.from_config(make_two_towers(), config, backend=backend)
+        train(model, 1)
+        return model
+
+    assert wrapped(ooo_tune=False).tuning is None
+    tuned = wrapped().tuning
+    assert tuned is not None and tuned.decision == "pending"
+    with pytest.raises(OOOConfigError, match=r"config\['ooo_tune'\]"):
+        wrapped(ooo_tune="on")
+
+
+def test_the_record_reads_as_one_line() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    train(model, 1)
+    assert str(model.tuning) == (
+        "tuning on simulated: pending (0 planned and 0 plain steps measured so far)"
+    )
+    until_decided(model)
+    assert str(model.tuning) == (
+        "tuning on simulated: plan kept, 1.25x: median step 8.000 ms planned vs "
+        "10.000 ms plain (6 planned and 6 plain steps, measured)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("plan", "plain", "final", "expected"),
+    [
+        ((8.0,) * 6, (10.0,) * 6, False, "plan"),
+        ((10.0,) * 6, (10.0,) * 6, False, "pending"),  # a tie: measure more
+        ((10.0,) * 6, (10.0,) * 6, True, "plain"),  # a tie at the cap: plain wins
+        ((9.9,) * 6, (10.0,) * 6, True, "plain"),  # 1 %: below the smallest gain kept
+        ((12.0,) * 6, (10.0,) * 6, False, "plain"),
+        ((8.0,) * 5, (10.0,) * 6, False, "pending"),  # not enough steps yet
+        ((8.0,), (10.0,), True, "plan"),  # too few clean steps: the plan stands, unmeasured
+    ],
+)
+def test_decide(
+    plan: tuple[float, ...], plain: tuple[float, ...], final: bool, expected: str
+) -> None:
+    assert decide(plan, plain, 6, final=final) == expected
+
+
+def test_decide_needs_the_gain_to_beat_the_spread() -> None:
+    plan = (6.0, 7.0, 8.0, 9.0, 10.0, 11.0)  # median 8.5, IQR/median ~ 0.44
+    plain = (10.0,) * 6
+    assert decide(plan, plain, 6, final=True) == "plain"
+    assert decide((8.4, 8.5, 8.5, 8.5, 8.5, 8.6), plain, 6, final=False) == "plan"
+
+
+def test_the_docs_example_prints_what_it_shows() -> None:
+    page = (REPO_ROOT / "docs" / "tuning-and-performance.md").read_text()
+    section = page.split("\n## Measured tuning", 1)[1]
+    (block,) = re.findall(r"```pycon\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    test = doctest.DocTestParser().get_doctest(
+        block,
+        {"ooo_wrap": ooo_wrap, "two_towers": make_two_towers(), "x": two_tower_input()},
+        "docs/tuning-and-performance.md: Measured tuning",
+        "docs/tuning-and-performance.md",
+        0,
+    )
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+    assert runner.summarize(verbose=False).attempted >= 4
+
+
+def test_retune_inside_a_forward_is_refused_and_leaves_tuning_as_it_was() -> None:
+    model, backend = wrap(planned_ms(8.0, 10.0))
+    until_decided(model)
+    stage = model.get_submodule("towers.0")
+    handle = stage.register_forward_pre_hook(lambda module, args: model.retune())
+    with pytest.raises(ooo_wrap.OOOError, match=r"retune\(\) was called inside a forward"):
+        model(two_tower_input())
+    handle.remove()
+    assert backend.current_stream().id == 0
+    assert model.tuning is not None and model.tuning.decision == "plan"
+    model.retune()  # between forwards: done
+    assert model.tuning is not None and model.tuning.decision == "pending"
+
+
+def test_a_model_called_inside_its_own_forward_is_one_step() -> None:
+    class Recursive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.towers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+        def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+            out: torch.Tensor = self.towers[0](x) + self.towers[1](x)
+            return self(out, depth - 1) if depth else out
+
+    backend = SimulatedBackend(step_time=planned_ms(8.0, 10.0))
+    model = ooo_wrap.OOOModule(Recursive(), backend=backend, stages=STAGES, planner="static")
+    until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert len(tuning.plan_ms) == len(tuning.plain_ms) == 6
+    assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
+
+
+def test_a_forward_that_raises_when_tuning_would_decide_keeps_its_exception() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    model.register_forward_hook(lambda module, args, output: None)  # the user's own
+    fail = [False]
+
+    def maybe_fail(module: nn.Module, args: object, output: object) -> None:
+        if fail[0]:
+            raise ValueError("the user's error")
+
+    model.get_submodule("towers.1").register_forward_hook(maybe_fail)
+    train(model, 14)  # the next clean forward would decide
+    fail[0] = True
+    with pytest.raises(ValueError, match="the user's error"):
+        model(two_tower_input())
+    fail[0] = False
+    assert model.tuning is not None and model.tuning.decision == "pending"
+    until_decided(model)
+    assert model.tuning.decision == "plan"
+
+
+def test_an_interrupted_evaluation_forward_does_not_break_tuning() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    interrupt = [False]
+
+    def maybe_interrupt(module: nn.Module, args: object) -> None:
+        if interrupt[0]:
+            raise KeyboardInterrupt
+
+    model.get_submodule("towers.0").register_forward_pre_hook(maybe_interrupt)
+    train(model, 4)
+    interrupt[0] = True
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model(two_tower_input())
+    interrupt[0] = False
+    until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
+
+
+@pytest.mark.parametrize("forwards", [2, 3])
+def test_a_step_of_several_forwards_runs_in_one_arm(forwards: int) -> None:
+    # Gradient accumulation, or a loss over two forwards: the optimizer step bounds the
+    # training step, and every forward in it runs the same arm.
+    model, backend = wrap(planned_ms(8.0, 10.0))
+    forked: list[bool] = []
+    model.get_submodule("towers.0").register_forward_pre_hook(
+        lambda module, args: forked.append(backend.current_stream().id != 0)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = two_tower_input()
+    per_step: list[list[bool]] = []
+    for _ in range(60):
+        forked.clear()
+        loss = sum(model(x).sum() for _ in range(forwards))
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        per_step.append(list(forked))
+        assert model.tuning is not None
+        if model.tuning.decision != "pending":
+            break
+    # The first step ran before any optimizer step was seen (each forward was a step);
+    # the last one decided after its first forward.
+    assert all(len(set(arms)) == 1 for arms in per_step[1:-1]), per_step
+    assert {arms[0] for arms in per_step[1:-1]} == {True, False}
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
+
+
+def test_two_models_in_one_loop_tune_one_at_a_time() -> None:
+    # One backend for both: a step of either holds the calls of both. Model a's plan saves
+    # 1 ms of the step, b's 3 ms; while one tunes the other runs its plan.
+    backend = SimulatedBackend(step_time=lambda calls: 10.0 - gain(calls))
+    a = ooo_wrap.OOOModule(make_two_towers(), backend=backend, stages=STAGES, planner="static")
+    b = ooo_wrap.OOOModule(make_two_towers(), backend=backend, stages=STAGES, planner="static")
+    a_streams = {1, 2}
+
+    def gain(calls: Sequence[StreamCall]) -> float:
+        ids = {c.stream.id for c in calls if c.op == "set_stream" and c.stream.id}
+        return (1.0 if ids & a_streams else 0.0) + (3.0 if ids - a_streams else 0.0)
+
+    x = two_tower_input()
+    for _ in range(200):
+        train(a, 1, x)
+        train(b, 1, x)
+        assert a.tuning is not None and b.tuning is not None
+        if b.tuning.decision != "pending":
+            break
+    assert a.tuning.decision == "plan" and b.tuning.decision == "plan"
+    # a tuned while b ran its plan (3 ms saved throughout); then b, with a's plan in force.
+    assert set(a.tuning.plan_ms) == {6.0} and set(a.tuning.plain_ms) == {7.0}
+    assert set(b.tuning.plan_ms) == {6.0} and set(b.tuning.plain_ms) == {9.0}
+
+
+def test_forwards_called_while_an_exception_is_handled_are_counted() -> None:
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    try:
+        raise RuntimeError("out of memory, say: retry the step")
+    except RuntimeError:
+        until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert len(tuning.plan_ms) == len(tuning.plain_ms) == 6
+
+
+def test_shapes_that_keep_changing_keep_the_plan_unmeasured() -> None:
+    model, backend = wrap(planned_ms(8.0, 10.0))
+    for step in range(200):
+        train(model, 1, two_tower_input(batch=2 + step))
+        assert model.tuning is not None
+        if model.tuning.decision != "pending":
+            break
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan" and tuning.speedup is None
+    assert "unmeasured" in str(tuning)
+    assert (EventKind.TUNED, "unmeasured") in kinds(model)
+    assert not any(e.kind is EventKind.DISABLED for e in model.events)
+    backend.clear_log()
+    train(model, 1)
+    assert side_stream_calls(backend) == 2
+
+
+def test_a_plain_step_recomputes_checkpointed_stages_inline() -> None:
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.towers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def body(x: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor = self.towers[0](x).tanh() + self.towers[1](x).tanh()
+                return out
+
+            out: torch.Tensor = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+            return out
+
+    backend = SimulatedBackend(step_time=planned_ms(8.0, 10.0), keep_all=True)
+    model = ooo_wrap.OOOModule(Checkpointed(), backend=backend, stages=STAGES, planner="static")
+    until_decided(model)
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert set(tuning.plain_ms) == {10.0}  # no recomputed stage forked in a plain step
+
+
+def test_retuning_leaves_no_old_scheduler_alive() -> None:
+    import gc
+
+    from ooo_wrap._runtime.scheduler import Scheduler
+
+    def schedulers() -> int:
+        gc.collect()
+        return sum(issubclass(type(o), Scheduler) for o in gc.get_objects())
+
+    before = schedulers()
+    model, _ = wrap(slow_plan_ms)
+    for _ in range(3):
+        until_decided(model)
+        model.retune()
+    assert schedulers() - before == 1
+    ooo_wrap.unwrap(model)
+    del model
+    assert schedulers() == before
+
+
+def test_a_forward_replaying_a_graph_stops_tuning() -> None:
+    from ooo_wrap._wrapper.module import mark_graphed
+
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    train(model, 3)
+    mark_graphed(model)
+    assert (EventKind.TUNED, "not_finished") in kinds(model)
+    assert model.tuning is not None and model.tuning.decision == "pending"
+    train(model, 40)
+    assert model.tuning.decision == "pending"  # nothing times the replays
