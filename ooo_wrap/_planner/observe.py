@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._compat import storage_id
 from .._tensors import tensors_in
 from .cost import H200, ReferenceGPU, estimate_op
 from .intercept import OpInterceptor
@@ -86,18 +87,15 @@ class CallRecord:
 
 
 def _storage_key(tensor: torch.Tensor) -> StorageKey | None:
-    """The identity of ``tensor``'s storage, shared by its views (``None``: no storage).
+    """Which storage ``tensor`` uses, shared by its views (``None``: it has none).
 
-    ``_cdata`` is the address of the C++ StorageImpl: unlike ``data_ptr()`` it is distinct
-    on the ``meta`` device too, and PyTorch has no public storage identity. Like an address
-    it may be reused once the storage is freed; a reuse shows up as a fresh allocation.
+    The StorageImpl (:func:`~ooo_wrap._compat.storage_id`), not the memory address: the
+    observed forward may run on the ``meta`` device, where every address is 0. A reuse of
+    a freed one shows up as a fresh allocation.
     """
-    if tensor.layout != torch.strided:
+    if tensor.layout != torch.strided or tensor.untyped_storage().nbytes() == 0:
         return None
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0:
-        return None
-    return int(storage._cdata)
+    return storage_id(tensor)
 
 
 def _uses(

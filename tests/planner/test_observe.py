@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from ooo_wrap._compat import storage_address, storage_id
 from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import learn
 from ooo_wrap._planner.observe import CallRecord, Observer, OpRecord, observe
@@ -210,8 +211,20 @@ def test_ops_updating_running_statistics_write_them(
     norm = make()
     record = observe(norm, (torch.randn(8, 4),), op_cost=one_us)
     (op,) = [op for op in record.ops() if "batch_norm" in op.name]
-    stats = {t.untyped_storage()._cdata for t in (norm.running_mean, norm.running_var)}
+    stats = {storage_id(t) for t in (norm.running_mean, norm.running_var)}
     assert (stats <= set(op.writes), stats <= set(op.reads)) == (writes, not writes)
+
+
+def test_the_two_storage_identities_answer_different_questions() -> None:
+    # Which StorageImpl (planner, joins): distinct on meta, where every address is 0.
+    a, b = torch.empty(4, device="meta"), torch.empty(4, device="meta")
+    assert storage_address(a) == storage_address(b) == 0
+    assert storage_id(a) != storage_id(b) and storage_id(a) == storage_id(a[1:])
+    # Which memory (the checker's allocator model): resize_ moves the same StorageImpl.
+    x = torch.empty(4)
+    impl, address = storage_id(x), storage_address(x)
+    x.resize_(1 << 20)
+    assert storage_id(x) == impl and storage_address(x) != address
 
 
 def linears(n: int) -> nn.Sequential:
