@@ -27,7 +27,7 @@ from .cost import H200, ReferenceGPU, estimate_op
 from .intercept import OpInterceptor
 from .schema import arguments
 
-__all__ = ["CallRecord", "Observer", "OpRecord", "observe"]
+__all__ = ["CallRecord", "ObservedOp", "Observer", "observe"]
 
 StorageKey = int
 # (func, args, kwargs, out) -> estimated device µs of one op.
@@ -35,7 +35,7 @@ OpCostFn = Callable[[torch._ops.OpOverload, Sequence[Any], Mapping[str, Any], An
 
 
 @dataclass(frozen=True)
-class OpRecord:
+class ObservedOp:
     """One aten op: the storages it touched and its estimated device time (µs)."""
 
     name: str
@@ -62,7 +62,7 @@ class CallRecord:
 
     name: str
     call_id: int
-    items: tuple[OpRecord | CallRecord, ...]
+    items: tuple[ObservedOp | CallRecord, ...]
     device_us: float
     params: tuple[tuple[int, int], ...] = ()
 
@@ -71,10 +71,10 @@ class CallRecord:
         """The child calls, in order."""
         return tuple(item for item in self.items if isinstance(item, CallRecord))
 
-    def ops(self) -> Iterator[OpRecord]:
+    def ops(self) -> Iterator[ObservedOp]:
         """Every op inside this call, children included, in program order."""
         for item in self.items:
-            if isinstance(item, OpRecord):
+            if isinstance(item, ObservedOp):
                 yield item
             else:
                 yield from item.ops()
@@ -123,7 +123,7 @@ def _uses(
 class _OpenCall:
     name: str
     call_id: int
-    items: list[OpRecord | CallRecord] = field(default_factory=list)
+    items: list[ObservedOp | CallRecord] = field(default_factory=list)
     device_us: float = 0.0
     params: tuple[tuple[int, int], ...] = ()
 
@@ -246,7 +246,7 @@ class Observer:
             cost, occupancy = estimate.device_us, estimate.occupancy
         else:
             cost = float(self._op_cost(func, args, kwargs, out))
-        op = OpRecord(str(func), tuple(reads), tuple(writes), tuple(fresh), cost, occupancy)
+        op = ObservedOp(str(func), tuple(reads), tuple(writes), tuple(fresh), cost, occupancy)
         self._stack[-1].items.append(op)
         self._stack[-1].device_us += cost
 

@@ -13,7 +13,7 @@ from torch import nn
 from ooo_wrap._compat import storage_address, storage_id
 from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import learn
-from ooo_wrap._planner.observe import CallRecord, Observer, OpRecord, observe
+from ooo_wrap._planner.observe import CallRecord, ObservedOp, Observer, observe
 from ooo_wrap._planner.regions import Parallel, Series, call_dag, choose
 from tests.support import dataflow_models as models
 
@@ -43,7 +43,7 @@ def test_a_module_called_twice_is_two_calls_and_data_flows_between_them() -> Non
     written = {key for op in first.ops() for key in op.fresh}
     read = {key for op in second.ops() for key in op.reads}
     assert written & read  # the second call reads what the first one wrote
-    (add,) = [op for op in record.items if isinstance(op, OpRecord)]
+    (add,) = [op for op in record.items if isinstance(op, ObservedOp)]
     assert add.name == "aten.add_.Tensor" and add.writes and not add.fresh
     assert call_dag(record).ancestors == (frozenset(), frozenset({0}))
     assert record.device_us == sum(op.device_us for op in record.ops())
@@ -71,7 +71,7 @@ def test_cpu_and_meta_observations_agree() -> None:
     def shape(call: CallRecord) -> list[Any]:
         return [
             (i.name, len(i.reads), len(i.writes), len(i.fresh), i.device_us)
-            if isinstance(i, OpRecord)
+            if isinstance(i, ObservedOp)
             else (i.name, shape(i))
             for i in call.items
         ]
