@@ -8,7 +8,8 @@ import logging
 from ._errors import OOOConfigError, OOOError
 from ._events import EventKind, OOOEvent
 from ._integrations.config import from_config
-from ._integrations.graphs import GraphedStep, graphed_step, make_graphed_callables
+from ._integrations.graphed_callables import make_graphed_callables
+from ._integrations.graphs import GraphedStep, graphed_step
 from ._plan import Plan, Stage
 from ._planner.api import plan
 from ._planner.cost import H200, ReferenceGPU

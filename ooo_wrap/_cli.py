@@ -10,39 +10,27 @@ error (one line on stderr, never a traceback).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import itertools
-import os
-import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
-from torch import nn
 
-from ._errors import OOOError, did_you_mean, positive_int
+from ._cli_inputs import (
+    DTYPES,
+    UsageError,
+    dtypes_for,
+    load_model,
+    on_cpu,
+    one_line,
+    parse_shape,
+    random_inputs,
+)
+from ._errors import OOOError, positive_int
 from ._planner.api import plan
-from ._wrapper.module import unwrap
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
-
-DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
-
-_SHAPE = re.compile(r"[1-9][0-9]*(x[1-9][0-9]*)*")
-
-
-class UsageError(Exception):
-    """A mistake in what the user asked for: reported in one line, exit status 2."""
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "ooo-wrap") -> int:
@@ -178,8 +166,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
     model = load_model(args.factory)
     if learn:
-        model = _on_cpu(model, args.factory)
-        inputs = _inputs(args, model)
+        model = on_cpu(model, args.factory)
+        inputs = random_inputs(args, model)
     try:
         if learn:
             the_plan = plan(
@@ -192,7 +180,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     except Exception as error:  # the model itself failed: say so in one line
         raise UsageError(
             f"the model raised {type(error).__name__} while the plan was learned: "
-            f"{_one_line(error)} (are the --input shapes and --dtype right for it?)"
+            f"{one_line(error)} (are the --input shapes and --dtype right for it?)"
         ) from None
     print(the_plan)
     if learn:
@@ -208,58 +196,17 @@ def _run_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _inputs(args: argparse.Namespace, model: nn.Module) -> list[torch.Tensor]:
-    """Random CPU inputs of the --input shapes and --dtype types (see ``check --help``)."""
-    shapes = [parse_shape(text) for text in args.inputs]
-    dtypes = _dtypes_for(args.dtypes or ["float32"], len(shapes))
-    if args.int_high is not None:
-        positive_int(args.int_high, "--int-high")
-    high = args.int_high if args.int_high is not None else default_int_high(model)
-    generator = torch.Generator().manual_seed(args.seed)
-    inputs = []
-    for text, shape, dtype in zip(args.inputs, shapes, dtypes, strict=True):
-        try:
-            inputs.append(_random(shape, dtype, high, generator))
-        except (RuntimeError, MemoryError) as error:  # too large for this machine
-            name = next(key for key, value in DTYPES.items() if value == dtype)
-            raise UsageError(
-                f"cannot allocate --input {text} ({name}): {_one_line(error)}; give a "
-                "smaller shape (a batch of a few samples is enough to plan or check)"
-            ) from None
-    return inputs
-
-
-def _on_cpu(model: nn.Module, spec: str) -> nn.Module:
-    """``model`` on the CPU, where ``plan --input`` and ``check`` run it; a model without
-    data (built on the meta device) is a usage error naming the fix."""
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    meta = next((name for name, tensor in tensors if tensor.is_meta), None)
-    if meta is not None:
-        raise UsageError(
-            f"{spec}() built the model on the meta device ({meta!r} has no data), and it "
-            "must run on the CPU here; build it on the CPU, or materialize it in the "
-            "factory (model.to_empty(device='cpu'), then load or initialize its weights)"
-        )
-    try:
-        return model.cpu()
-    except Exception as error:
-        raise UsageError(
-            f"moving the model of {spec}() to the CPU failed: {type(error).__name__}: "
-            f"{_one_line(error)}"
-        ) from None
-
-
 def _run_check(args: argparse.Namespace) -> int:
     shapes = [parse_shape(text) for text in args.inputs]
-    _dtypes_for(args.dtypes or ["float32"], len(shapes))
+    dtypes_for(args.dtypes or ["float32"], len(shapes))
     for flag, value in (("--int-high", args.int_high), ("--steps", args.steps)):
         if value is not None:
             positive_int(value, flag)
     from . import testing  # lazily: the checker is only needed by this command
 
     torch.manual_seed(args.seed)
-    model = _on_cpu(load_model(args.factory), args.factory)
-    inputs = _inputs(args, model)
+    model = on_cpu(load_model(args.factory), args.factory)
+    inputs = random_inputs(args, model)
     try:
         report = testing.check(
             model,
@@ -274,128 +221,14 @@ def _run_check(args: argparse.Namespace) -> int:
             gpu=args.gpu,
         )
     except testing.CaptureError as error:  # the model broke a capture rule: a finding
-        print(f"ooo_wrap check: FAILED under simulated graph capture: {_one_line(error)}")
+        print(f"ooo_wrap check: FAILED under simulated graph capture: {one_line(error)}")
         return EXIT_FINDINGS
     except OOOError as error:
         raise UsageError(error) from None
     except Exception as error:  # the model itself failed: say so in one line
         raise UsageError(
-            f"the model raised {type(error).__name__} during the check: {_one_line(error)} "
+            f"the model raised {type(error).__name__} during the check: {one_line(error)} "
             "(are the --input shapes and --dtype right for it?)"
         ) from None
     print(report)
     return EXIT_OK if report.ok else EXIT_FINDINGS
-
-
-def load_model(spec: str) -> nn.Module:
-    """Import ``PACKAGE.MODULE:FACTORY``, call the factory and return the module it builds."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise UsageError(
-            f"expected PACKAGE.MODULE:FACTORY, got {spec!r} (e.g. examples.quickstart:build_model)"
-        )
-    with _current_directory_importable():
-        return _build(spec, module_name, attribute)
-
-
-def _build(spec: str, module_name: str, attribute: str) -> nn.Module:
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name is not None and (module_name + ".").startswith(error.name + "."):
-            raise UsageError(
-                f"no module named {module_name!r}; run from the directory that contains it, "
-                "or add that directory to PYTHONPATH"
-            ) from None
-        raise UsageError(f"importing {module_name!r} failed: {_one_line(error)}") from None
-    except Exception as error:
-        raise UsageError(
-            f"importing {module_name!r} failed: {type(error).__name__}: {_one_line(error)}"
-        ) from None
-    factory: object = module
-    for part in attribute.split("."):
-        if not hasattr(factory, part):
-            public = [name for name in dir(factory) if not name.startswith("_")]
-            raise UsageError(
-                f"{module_name!r} has no attribute {attribute!r}{did_you_mean(part, public)}"
-            )
-        factory = getattr(factory, part)
-    if not callable(factory):
-        raise UsageError(
-            f"{spec} is not callable (type {type(factory).__name__}); FACTORY must be a "
-            "function or class that builds the model with no arguments"
-        )
-    try:
-        model = factory()
-    except Exception as error:
-        raise UsageError(f"{spec}() raised {type(error).__name__}: {_one_line(error)}") from None
-    if not isinstance(model, nn.Module):
-        raise UsageError(
-            f"{spec}() returned {type(model).__name__}, not a torch.nn.Module; "
-            "FACTORY must return the model"
-        )
-    # The command's own options decide the stages and streams (and check wraps by itself).
-    return unwrap(model)
-
-
-@contextlib.contextmanager
-def _current_directory_importable() -> Iterator[None]:
-    """As ``python -m`` does, so that the console script finds modules in the current
-    directory; undone afterwards, so an in-process ``main()`` leaves ``sys.path`` alone."""
-    cwd = os.getcwd()
-    if "" in sys.path or cwd in sys.path:
-        yield
-        return
-    sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.path.remove(cwd)
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    """``"8x64"`` -> ``(8, 64)``; positive sizes joined by ``x``."""
-    if not _SHAPE.fullmatch(text):
-        raise UsageError(
-            f"bad --input shape {text!r}: expected positive sizes joined by 'x', e.g. 8x64"
-        )
-    return tuple(int(size) for size in text.split("x"))
-
-
-def default_int_high(model: nn.Module) -> int:
-    """The bound of integer inputs when ``--int-high`` is not given (see ``check --help``)."""
-    sizes = [
-        module.num_embeddings
-        for module in model.modules()
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-    ]
-    return min(sizes) if sizes else 2
-
-
-def _dtypes_for(names: list[str], count: int) -> list[torch.dtype]:
-    for name in names:
-        if name not in DTYPES:
-            raise UsageError(
-                f"bad --dtype {name!r}{did_you_mean(name, DTYPES)}; choose from {', '.join(DTYPES)}"
-            )
-    if len(names) == 1:
-        return [DTYPES[names[0]]] * count
-    if len(names) != count:
-        raise UsageError(
-            f"{len(names)} --dtype values for {count} --input shapes; give one for all, "
-            "or one per input"
-        )
-    return [DTYPES[name] for name in names]
-
-
-def _random(
-    shape: tuple[int, ...], dtype: torch.dtype, high: int, generator: torch.Generator
-) -> torch.Tensor:
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator, dtype=dtype)
-    return torch.randint(0, high, shape, generator=generator, dtype=dtype)
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__

@@ -20,6 +20,9 @@ __all__ = [
     "is_checkpoint_early_stop",
     "is_compiled_module",
     "stale_capture_streams_overridden",
+    "storage_address",
+    "storage_id",
+    "storage_tensor",
     "stream_is_capturing",
     "wrap_checkpoint_unpacks",
 ]
@@ -139,3 +142,51 @@ def stale_capture_streams_overridden() -> Iterator[bool]:
         yield True
     finally:
         setter(before)
+
+
+# Two identities of a tensor's storage, for two questions. Views share both.
+#
+# ``storage_id`` asks *which StorageImpl* (the planner's dataflow, the deferred joins: is
+# this input a view of that output?). It holds on the ``meta`` device and for empty
+# tensors, where every address is 0, and it survives ``resize_``.
+#
+# ``storage_address`` asks *which memory* (the race checker's model of the caching
+# allocator): ``resize_`` or an ``out=`` argument resized by an op moves the same
+# StorageImpl to a new block, which the checker must see as a fresh allocation.
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """The identity of the StorageImpl holding ``tensor``'s elements.
+
+    PyTorch has no public storage identity; ``UntypedStorage._cdata`` is the address of the
+    C++ StorageImpl. Like an address it may be reused once the storage is freed.
+
+    Raises:
+        RuntimeError, NotImplementedError: ``tensor`` has no storage of its own (a sparse
+            tensor, a ``vmap`` wrapper), as ``untyped_storage()`` raises.
+    """
+    return int(tensor.untyped_storage()._cdata)
+
+
+def storage_address(tensor: torch.Tensor) -> int:
+    """The device address of the memory block of ``tensor``'s storage (0 on ``meta`` and
+    for an empty storage); raises as :func:`storage_id` does."""
+    return int(tensor.untyped_storage().data_ptr())
+
+
+def storage_tensor(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor under ``tensor``'s functorch wrappers (``vmap``, ``torch.func.grad``,
+    functionalization), or ``None`` if it is not wrapped.
+
+    Wrappers have no storage of their own: the wrapped tensor holds the memory (and the
+    allocator's ``record_stream`` mark, which has no batching rule). torch has no public
+    unwrap; these private ``torch._C._functorch`` calls are the ones torch._functorch uses.
+    """
+    functorch = torch._C._functorch
+    inner = tensor
+    while functorch.is_functorch_wrapped_tensor(inner) or functorch.is_functionaltensor(inner):
+        unwrapped: torch.Tensor = functorch.get_unwrapped(inner)
+        if unwrapped is inner:
+            break
+        inner = unwrapped
+    return None if inner is tensor else inner

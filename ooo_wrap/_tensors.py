@@ -14,7 +14,7 @@ import torch
 # (register_pytree_node). This file is the only one in ooo_wrap that imports it.
 from torch.utils import _pytree
 
-__all__ = ["map_leaves", "named_tensors", "non_tensor_leaves", "storage_tensor", "tensors_in"]
+__all__ = ["map_leaves", "named_tensors", "non_tensor_leaves", "tensors_in"]
 
 _Tensor = torch.Tensor
 # Values that hold no tensor: never searched, never reported.
@@ -117,19 +117,3 @@ def non_tensor_leaves(value: Any, name: str) -> list[str]:
 def map_leaves(fn: Callable[[Any], Any], value: Any) -> Any:
     """``value`` with ``fn`` applied to each leaf of its containers, rebuilt alike."""
     return _pytree.tree_map(fn, value)
-
-
-def storage_tensor(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The plain tensor under ``tensor``'s torch.func wrappers, or ``None`` if it has none.
-
-    Inside ``vmap`` a tensor is a wrapper over the whole batch, and ``record_stream`` has
-    no batching rule; the wrapped tensor shares the wrapper's memory, so the allocator
-    mark belongs on it. torch.func has no public unwrap, hence its private helpers here.
-    """
-    from torch._C import _functorch
-
-    if not _functorch.is_functorch_wrapped_tensor(tensor):
-        return None
-    while _functorch.is_functorch_wrapped_tensor(tensor):
-        tensor = _functorch.get_unwrapped(tensor)
-    return tensor

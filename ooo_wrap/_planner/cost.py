@@ -57,6 +57,7 @@ import torch
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from .._errors import OOOConfigError
+from .._tensors import tensors_in
 
 __all__ = [
     "ELEMENTS_PER_BLOCK",
@@ -301,17 +302,6 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
     return not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in an argument or result: a tensor, or nested lists/tuples/dicts of them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, Mapping):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
-
-
 # The code object every formula registered through flop_counter's shape_wrapper shares.
 _SHAPE_WRAPPED = cast(Any, shape_wrapper)(lambda: 0).__code__  # untyped in torch
 
@@ -377,8 +367,8 @@ def estimate_op(
     """
     if not launches_kernel(func):
         return _FREE
-    inputs = _tensors(list(args)) + _tensors(dict(kwargs))
-    outputs = _tensors(out)
+    inputs = tensors_in(args) + tensors_in(kwargs)
+    outputs = tensors_in(out)
     tensors = inputs + outputs
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     flops = _flops(func, args, kwargs, out)

@@ -21,12 +21,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._compat import storage_id
 from .._tensors import tensors_in
 from .cost import H200, ReferenceGPU, estimate_op
 from .intercept import OpInterceptor
 from .schema import arguments
 
-__all__ = ["CallRecord", "Observer", "OpRecord", "observe"]
+__all__ = ["CallRecord", "ObservedOp", "Observer", "observe"]
 
 StorageKey = int
 # (func, args, kwargs, out) -> estimated device µs of one op.
@@ -34,7 +35,7 @@ OpCostFn = Callable[[torch._ops.OpOverload, Sequence[Any], Mapping[str, Any], An
 
 
 @dataclass(frozen=True)
-class OpRecord:
+class ObservedOp:
     """One aten op: the storages it touched and its estimated device time (µs)."""
 
     name: str
@@ -61,7 +62,7 @@ class CallRecord:
 
     name: str
     call_id: int
-    items: tuple[OpRecord | CallRecord, ...]
+    items: tuple[ObservedOp | CallRecord, ...]
     device_us: float
     params: tuple[tuple[int, int], ...] = ()
 
@@ -70,10 +71,10 @@ class CallRecord:
         """The child calls, in order."""
         return tuple(item for item in self.items if isinstance(item, CallRecord))
 
-    def ops(self) -> Iterator[OpRecord]:
+    def ops(self) -> Iterator[ObservedOp]:
         """Every op inside this call, children included, in program order."""
         for item in self.items:
-            if isinstance(item, OpRecord):
+            if isinstance(item, ObservedOp):
                 yield item
             else:
                 yield from item.ops()
@@ -86,18 +87,15 @@ class CallRecord:
 
 
 def _storage_key(tensor: torch.Tensor) -> StorageKey | None:
-    """The identity of ``tensor``'s storage, shared by its views (``None``: no storage).
+    """Which storage ``tensor`` uses, shared by its views (``None``: it has none).
 
-    ``_cdata`` is the address of the C++ StorageImpl: unlike ``data_ptr()`` it is distinct
-    on the ``meta`` device too, and PyTorch has no public storage identity. Like an address
-    it may be reused once the storage is freed; a reuse shows up as a fresh allocation.
+    The StorageImpl (:func:`~ooo_wrap._compat.storage_id`), not the memory address: the
+    observed forward may run on the ``meta`` device, where every address is 0. A reuse of
+    a freed one shows up as a fresh allocation.
     """
-    if tensor.layout != torch.strided:
+    if tensor.layout != torch.strided or tensor.untyped_storage().nbytes() == 0:
         return None
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0:
-        return None
-    return int(storage._cdata)
+    return storage_id(tensor)
 
 
 def _uses(
@@ -125,7 +123,7 @@ def _uses(
 class _OpenCall:
     name: str
     call_id: int
-    items: list[OpRecord | CallRecord] = field(default_factory=list)
+    items: list[ObservedOp | CallRecord] = field(default_factory=list)
     device_us: float = 0.0
     params: tuple[tuple[int, int], ...] = ()
 
@@ -248,7 +246,7 @@ class Observer:
             cost, occupancy = estimate.device_us, estimate.occupancy
         else:
             cost = float(self._op_cost(func, args, kwargs, out))
-        op = OpRecord(str(func), tuple(reads), tuple(writes), tuple(fresh), cost, occupancy)
+        op = ObservedOp(str(func), tuple(reads), tuple(writes), tuple(fresh), cost, occupancy)
         self._stack[-1].items.append(op)
         self._stack[-1].device_us += cost
 

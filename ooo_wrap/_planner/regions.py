@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from .cost import ReferenceGPU
-from .observe import CallRecord, OpRecord
+from .observe import CallRecord, ObservedOp
 
 __all__ = [
     "CallDag",
@@ -180,7 +180,7 @@ def call_dag(call: CallRecord) -> CallDag:
     readers: dict[int, set[int]] = {}  # storage -> what read it since it was last written
     own_us = 0.0
     for item in call.items:
-        if isinstance(item, OpRecord):
+        if isinstance(item, ObservedOp):
             own_us += item.device_us
             found: set[int] = set()
             for key in item.reads:

@@ -43,7 +43,7 @@ from .._plan import StepEstimate
 
 if TYPE_CHECKING:
     from .cost import ReferenceGPU
-    from .observe import CallRecord, OpRecord
+    from .observe import CallRecord, ObservedOp
 
 __all__ = [
     "BACKWARD_FACTOR",
@@ -238,7 +238,7 @@ def step_ops(
     from .observe import CallRecord as Call
 
     ops: list[SimOp] = []
-    fwd: list[tuple[int, int, OpRecord]] = []  # (sim index, stream, forward OpRecord)
+    fwd: list[tuple[int, int, ObservedOp]] = []  # (sim index, stream, forward ObservedOp)
     last: dict[int, int] = {}  # stream -> its last op's index
     half = gpu.fork_join_us / 2
     floor = gpu.kernel_floor_us

@@ -71,6 +71,7 @@ from torch._C import (
 )
 from torch.overrides import TorchFunctionMode
 
+from .._compat import storage_id
 from .._stats import Counters
 from .backend import Backend, Event, Stream
 
@@ -156,7 +157,7 @@ class JoinOnTouch(TorchFunctionMode):
 def _keys(tensors: list[torch.Tensor]) -> list[int] | None:
     """Storage identities of ``tensors``; ``None`` if one has no plain storage (vmap)."""
     try:
-        return [t.untyped_storage()._cdata for t in tensors]
+        return [storage_id(t) for t in tensors]
     except (RuntimeError, NotImplementedError):
         return None
 

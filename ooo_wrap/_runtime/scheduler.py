@@ -48,12 +48,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._compat import is_checkpoint_early_stop
+from .._compat import is_checkpoint_early_stop, storage_tensor
 from .._errors import OOOError
 from .._events import EventKind, EventLog, OOOEvent
 from .._plan import Plan
 from .._stats import Counters
-from .._tensors import storage_tensor, tensors_in
+from .._tensors import tensors_in
 from . import deferred as _deferred
 from .accumulators import Accumulators
 from .backend import Backend, Stream

@@ -8,7 +8,8 @@ stream race (``capture=True``: its last step under a simulated CUDA graph captur
 
 from ._capture import CaptureError
 from ._check import check
-from ._detect import DetectingBackend, Detection, detect, host_read
+from ._detect import DetectingBackend, detect, host_read
+from ._detection import Detection
 from ._report import CheckFailed, CheckReport, ParityEntry, StepEstimate, StreamOps
 from ._simulated import SimulatedBackend, StreamCall, VirtualEvent, VirtualStream
 from ._tracker import Access, AllocatorHazard, OpRecord, Race, RaceKind

@@ -142,7 +142,7 @@ class SimulatedCapture:
 
 
 class CaptureHost(Protocol):
-    """What a simulated capture needs from the detection it runs in (``_detect.Detection``,
+    """What a simulated capture needs from the detection it runs in (``_detection.Detection``,
     which imports this module: a protocol keeps the import one-way)."""
 
     tracker: StreamTracker

@@ -21,7 +21,8 @@ from .._planner.learned_plan import learned_of
 from .._tensors import map_leaves, named_tensors
 from .._wrapper.module import OOOModule, events_for, runs_plain
 from .._wrapper.options import Planner
-from ._detect import DetectingBackend, Detection, detect
+from ._detect import DetectingBackend, detect
+from ._detection import Detection
 from ._engine import CHECKED_TORCH
 from ._report import CheckReport, ParityEntry, count_ops
 

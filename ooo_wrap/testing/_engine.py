@@ -54,31 +54,28 @@ the consumer's stream); :data:`CHECKED_TORCH` is the range the model was checked
 
 from __future__ import annotations
 
-import bisect
 import functools
-import itertools
-import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
+from ._node_tags import NodeTag, NodeTags
 from ._ops import storage_key
 from ._simulated import VirtualStream
 from ._tracker import Clock, StreamTracker
 
-__all__ = ["CHECKED_TORCH", "AccumulatorMismatch", "EngineHost", "EngineModel", "NodeTag"]
+__all__ = ["CHECKED_TORCH", "AccumulatorMismatch", "EngineHost", "EngineModel"]
 
 # The torch releases (major, minor) the model was checked against: it follows the
 # producer/consumer stream syncs of engine.cpp and input_buffer.cpp as rewritten for 2.9,
 # and this test suite passes on 2.13. check() adds a note to its report outside them.
 CHECKED_TORCH = ((2, 9), (2, 13))
 
-_TAG = "ooo_wrap.testing.stream"
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 # The ops the engine sums two gradients for one input with (``InputBuffer::accumulate``).
 _SUMS = frozenset({torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor})
@@ -87,7 +84,7 @@ _SUMS = frozenset({torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor})
 class EngineHost(Protocol):
     """What the engine model needs from the detection that owns it.
 
-    Its one implementation is ``_detect.Detection``, which imports this module: a protocol
+    Its one implementation is ``_detection.Detection``, which imports this module: a protocol
     here, rather than that class, keeps the import one-way (and says how little is used).
     """
 
@@ -100,16 +97,6 @@ class EngineHost(Protocol):
     def switch_stream(self, stream: VirtualStream) -> None:
         """Make ``stream`` current, as the engine's stream guard does (not logged)."""
         ...
-
-
-@dataclass(frozen=True)
-class NodeTag:
-    """The virtual stream (and stage) an autograd node was created on."""
-
-    owner: int
-    id: int
-    stream: VirtualStream
-    stage: str | None
 
 
 @dataclass(frozen=True)
@@ -145,8 +132,7 @@ class EngineModel:
 
     def __init__(self, host: EngineHost) -> None:
         self._host = host
-        self._ids = itertools.count()
-        self._pending: tuple[list[torch.Tensor], VirtualStream, str | None] | None = None
+        self._tags = NodeTags(self._hook)
         self._waits: defaultdict[int, list[Clock]] = defaultdict(list)
         self._fed: set[int] = set()
         self._buffered: defaultdict[int, set[int]] = defaultdict(set)
@@ -164,11 +150,6 @@ class EngineModel:
         # This backward's accumulators fed from another stream, and those fed from theirs.
         self._away: dict[int, AccumulatorMismatch] = {}
         self._fed_in_place: set[int] = set()
-        # Per thread, the autograd sequence number after each op, and the op's stream
-        # and stage (rule 8); nodes numbered before detection began are not matched.
-        self._seqs: defaultdict[int, list[int]] = defaultdict(list)
-        self._makers: defaultdict[int, list[tuple[VirtualStream, str | None]]] = defaultdict(list)
-        self._seq_start = {threading.get_ident(): torch._C._autograd._get_sequence_nr()}
 
     @property
     def in_backward(self) -> bool:
@@ -183,25 +164,12 @@ class EngineModel:
     def created(
         self, outputs: list[torch.Tensor], stream: VirtualStream, stage: str | None
     ) -> None:
-        """An op made ``outputs`` on ``stream``; autograd sets their ``grad_fn`` after it
-        returns, so they are tagged at the next op (kept alive until then)."""
-        self.flush()
-        thread = threading.get_ident()
-        self._seqs[thread].append(torch._C._autograd._get_sequence_nr())
-        self._makers[thread].append((stream, stage))
-        if outputs:
-            self._pending = (outputs, stream, stage)
+        """An op made ``outputs`` on ``stream`` (see :meth:`NodeTags.created`)."""
+        self._tags.created(outputs, stream, stage)
 
     def flush(self) -> None:
         """Tag the nodes of the last op's outputs, and release them."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        outputs, stream, stage = pending
-        for tensor in outputs:
-            node = tensor.grad_fn
-            if node is not None and self._tag(node) is None:
-                self._tag_graph(node, stream, stage)
+        self._tags.flush()
 
     def accumulation_target(
         self, func: torch._ops.OpOverload, keys: Iterable[int]
@@ -257,10 +225,10 @@ class EngineModel:
         node: Node | None = torch._C._current_autograd_node()
         if node is None:
             return
-        tag = self._tag(node)
+        tag = self._tags.get(node)
         if tag is None:
             self.flush()
-            tag = self._tag(node) or self._tag_unseen(node)
+            tag = self._tags.get(node) or self._tags.unseen(node)
         if tag is not None and tag.id not in self._running and tag.id != self._finished:
             self._pre(tuple(node.next_functions), tag, ())
 
@@ -269,58 +237,22 @@ class EngineModel:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._pending = None
+        self._tags.close()
         self._waits.clear()
         self._window.clear()
         self._first.clear()
         self._buffered.clear()
         self._running.clear()
         self._stack.clear()
-        self._seqs.clear()
-        self._makers.clear()
         self._away.clear()
         self._fed_in_place.clear()
 
     def stream_of(self, node: Node) -> VirtualStream | None:
         """The stream ``node`` was tagged with, if this model tagged it."""
-        tag = self._tag(node)
+        tag = self._tags.get(node)
         return None if tag is None else tag.stream
 
-    # --- tagging --------------------------------------------------------------------
-
-    def _tag(self, node: Node) -> NodeTag | None:
-        tag = _metadata(node).get(_TAG)
-        return tag if isinstance(tag, NodeTag) and tag.owner == id(self) else None
-
-    def _tag_graph(self, root: Node, stream: VirtualStream, stage: str | None) -> None:
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            if self._tag(node) is not None:
-                continue
-            self._tag_node(node, stream, stage)
-            stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-
-    def _tag_unseen(self, node: Node) -> NodeTag | None:
-        """Tag a node the detector saw no tensor of, with the op that made it (rule 8).
-
-        That op is the first one after the node's number was drawn. ``AccumulateGrad``
-        nodes have no number (the largest one), so they are never matched here.
-        """
-        thread = threading.get_ident()
-        seqs = self._seqs.get(thread)
-        number = node._sequence_nr()
-        if not seqs or number < self._seq_start.get(thread, 0):
-            return None
-        i = bisect.bisect_right(seqs, number)
-        if i == len(seqs):
-            return None
-        stream, stage = self._makers[thread][i]
-        return self._tag_node(node, stream, stage)
-
-    def _tag_node(self, node: Node, stream: VirtualStream, stage: str | None) -> NodeTag:
-        tag = NodeTag(id(self), next(self._ids), stream, stage)
-        _metadata(node)[_TAG] = tag
+    def _hook(self, node: Node, tag: NodeTag) -> None:
         # The hooks hold the node's edges, never the node: the node holds its hooks, and a
         # hook holding it would be a cycle that keeps a dropped graph (and the parameters'
         # accumulators in it) alive until a garbage collection, so the next step would
@@ -328,7 +260,6 @@ class EngineModel:
         edges: _Edges = tuple(node.next_functions)
         self._handles.append(node.register_prehook(functools.partial(self._pre, edges, tag)))
         self._handles.append(node.register_hook(functools.partial(self._post, edges, tag)))
-        return tag
 
     # --- backward -------------------------------------------------------------------
 
@@ -387,9 +318,9 @@ class EngineModel:
             if grad is None or consumer_node is None:
                 continue
             consumer = (
-                self._tag(consumer_node)
-                or self._tag_unseen(consumer_node)
-                or self._tag_node(consumer_node, tag.stream, tag.stage)
+                self._tags.get(consumer_node)
+                or self._tags.unseen(consumer_node)
+                or self._tags.tag(consumer_node, tag.stream, tag.stage)
             )
             self._fed.add(consumer.id)
             if consumer_node.name() == _ACCUMULATE_GRAD:
@@ -453,16 +384,10 @@ class EngineModel:
         if not self._stack:
             self._buffered.clear()
             self._finished = None
-            self._fresh_from = next(self._ids)
+            self._fresh_from = self._tags.next_id()
             self.mismatches += [m for key, m in self._away.items() if key not in self._fed_in_place]
             self._away.clear()
             self._fed_in_place.clear()
         self._window, self._first = [], []
         self._host.switch_stream(frame.caller)
         self._stage = frame.stage_before
-
-
-def _metadata(node: Node) -> dict[str, Any]:
-    """The node's metadata dict (a property at runtime; torch's stubs declare a method)."""
-    metadata: dict[str, Any] = cast(Any, node).metadata
-    return metadata

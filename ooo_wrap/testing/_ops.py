@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._compat import storage_address, storage_tensor
 from .._planner.schema import arguments, declared_writes
 from .._tensors import tensors_in
 
@@ -20,7 +21,6 @@ __all__ = [
     "is_view_only",
     "storage_key",
     "tensor_uses",
-    "unwrap",
     "written_keys",
 ]
 
@@ -160,35 +160,23 @@ def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     return (start, start + (int(last) + 1) * size)
 
 
-def unwrap(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor holding the memory of a functorch wrapper (``vmap``, ``torch.func.grad``,
-    functionalization), or ``tensor`` itself.
-
-    Wrappers have no storage of their own. torch has no public call that unwraps them;
-    this is the one ``torch._functorch`` uses itself.
-    """
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(tensor) or functorch.is_functionaltensor(tensor):
-        inner: torch.Tensor = functorch.get_unwrapped(tensor)
-        if inner is tensor:
-            break
-        tensor = inner
-    return tensor
-
-
 def storage_key(tensor: torch.Tensor) -> int | None:
     """The address of ``tensor``'s storage (shared by its views), or ``None`` if it has none.
 
-    Empty storages are left out: they all sit at address 0 and hold nothing to race on.
-    A functorch wrapper counts as the tensor it wraps.
+    The memory (:func:`~ooo_wrap._compat.storage_address`), not the StorageImpl: the
+    allocator model follows blocks, and an op that gives a written argument new memory
+    (``resize_``, ``out=``) keeps its StorageImpl. Empty storages are left out: they all
+    sit at address 0 and hold nothing to race on. A functorch wrapper counts as the
+    tensor it wraps.
     """
-    tensor = unwrap(tensor)
+    inner = storage_tensor(tensor)
+    if inner is not None:
+        tensor = inner
     if tensor.layout != torch.strided or tensor.device.type == "meta":
         return None
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0:
+    if tensor.untyped_storage().nbytes() == 0:
         return None
-    return int(storage.data_ptr())
+    return storage_address(tensor)
 
 
 def is_view_only(func: torch._ops.OpOverload) -> bool:

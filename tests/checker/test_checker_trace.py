@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from ooo_wrap._planner.cost import H200
-from ooo_wrap.testing import CheckReport, VirtualEvent, VirtualStream, check
+from ooo_wrap.testing import CheckReport, OpRecord, VirtualEvent, VirtualStream, check
 from ooo_wrap.testing import _check as check_module
 from ooo_wrap.testing._timeline import lay_out, split_steps
-from ooo_wrap.testing._tracker import OpRecord
 
 # Big enough that a matmul outlasts a kernel launch on the reference GPU (about 18 µs
 # against 5 µs), so whether streams overlap shows in the estimate.

@@ -15,7 +15,7 @@ from torch import nn
 import ooo_wrap
 import ooo_wrap.testing
 from examples import quickstart, transformer
-from ooo_wrap._cli import default_int_high, parse_shape
+from ooo_wrap._cli_inputs import default_int_high, parse_shape
 from tests.support.cli_factories import TokensAndFeatures
 from tests.support.cli_helpers import run_cli
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from ooo_wrap._compat import storage_address, storage_id
 from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import learn
-from ooo_wrap._planner.observe import CallRecord, Observer, OpRecord, observe
+from ooo_wrap._planner.observe import CallRecord, ObservedOp, Observer, observe
 from ooo_wrap._planner.regions import Parallel, Series, call_dag, choose
 from tests.support import dataflow_models as models
 
@@ -42,7 +43,7 @@ def test_a_module_called_twice_is_two_calls_and_data_flows_between_them() -> Non
     written = {key for op in first.ops() for key in op.fresh}
     read = {key for op in second.ops() for key in op.reads}
     assert written & read  # the second call reads what the first one wrote
-    (add,) = [op for op in record.items if isinstance(op, OpRecord)]
+    (add,) = [op for op in record.items if isinstance(op, ObservedOp)]
     assert add.name == "aten.add_.Tensor" and add.writes and not add.fresh
     assert call_dag(record).ancestors == (frozenset(), frozenset({0}))
     assert record.device_us == sum(op.device_us for op in record.ops())
@@ -70,7 +71,7 @@ def test_cpu_and_meta_observations_agree() -> None:
     def shape(call: CallRecord) -> list[Any]:
         return [
             (i.name, len(i.reads), len(i.writes), len(i.fresh), i.device_us)
-            if isinstance(i, OpRecord)
+            if isinstance(i, ObservedOp)
             else (i.name, shape(i))
             for i in call.items
         ]
@@ -210,8 +211,20 @@ def test_ops_updating_running_statistics_write_them(
     norm = make()
     record = observe(norm, (torch.randn(8, 4),), op_cost=one_us)
     (op,) = [op for op in record.ops() if "batch_norm" in op.name]
-    stats = {t.untyped_storage()._cdata for t in (norm.running_mean, norm.running_var)}
+    stats = {storage_id(t) for t in (norm.running_mean, norm.running_var)}
     assert (stats <= set(op.writes), stats <= set(op.reads)) == (writes, not writes)
+
+
+def test_the_two_storage_identities_answer_different_questions() -> None:
+    # Which StorageImpl (planner, joins): distinct on meta, where every address is 0.
+    a, b = torch.empty(4, device="meta"), torch.empty(4, device="meta")
+    assert storage_address(a) == storage_address(b) == 0
+    assert storage_id(a) != storage_id(b) and storage_id(a) == storage_id(a[1:])
+    # Which memory (the checker's allocator model): resize_ moves the same StorageImpl.
+    x = torch.empty(4)
+    impl, address = storage_id(x), storage_address(x)
+    x.resize_(1 << 20)
+    assert storage_id(x) == impl and storage_address(x) != address
 
 
 def linears(n: int) -> nn.Sequential:
