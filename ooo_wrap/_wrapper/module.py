@@ -21,6 +21,7 @@ from .._events import EventKind, EventLog, OOOEvent
 from .._plan import Plan, plural
 from .._planner.api import named_stages, plan
 from .._planner.cost import GPULike, as_reference_gpu
+from .._reasons import MESSAGES
 from .._runtime.accumulators import Accumulators
 from .._runtime.backend import AcceleratorBackend, Backend, clock_of
 from .._runtime.profiling import ProfiledScheduler
@@ -95,20 +96,6 @@ class _WrapState:
 # Keyed weakly by the model: nothing here keeps a model alive, and nothing is stored on it.
 _wrapped: weakref.WeakKeyDictionary[nn.Module, _WrapState] = weakref.WeakKeyDictionary()
 _detached: weakref.WeakKeyDictionary[nn.Module, tuple[OOOEvent, ...]] = weakref.WeakKeyDictionary()
-
-_FALLBACK_MESSAGES = {
-    "cpu": "model is on the CPU: standard backward (side streams need an accelerator; "
-    "move the model to it before wrapping)",
-    "mps": "model is on MPS, which has a single stream: standard backward",
-    "no_accelerator": "no stream-capable accelerator for the model's device: standard backward",
-    "too_few_stages": "fewer than two stages: nothing to overlap, standard backward (name "
-    "stages with stages=[...] or a model.ooo_stage_names attribute)",
-    "multi_device": "stages span several devices: standard backward (wrap a model that "
-    "lives on one device)",
-    "compiled": "the model is torch.compile'd: out-of-order backprop is off, the compiled "
-    "path wins (they are mutually exclusive; pick one and benchmark it)",
-    "unsupported_module": "TorchScript modules cannot run Python hooks: standard backward",
-}
 
 
 class OOOModule(nn.Module):
@@ -426,7 +413,7 @@ def record_fallback(
 ) -> nn.Module:
     """Leave ``model`` untouched, record a ``DISABLED`` event for it and return it; the
     event's message is ``message``, or the reason's usual one."""
-    event = OOOEvent(EventKind.DISABLED, reason, message or _FALLBACK_MESSAGES[reason])
+    event = OOOEvent(EventKind.DISABLED, reason, message or MESSAGES[reason])
     _detached[model] = (event,)
     logger.info("%s", event)
     if warn:
