@@ -14,6 +14,11 @@ cannot import it by name. So the scheduler is never copied:
 - A stage copied or pickled apart from its model raises (``Scheduler.__reduce_ex__``); so
   does a pickle that reaches a stage other than as a sub-module (say, from a plain list
   attribute), since only the module tree is stored without the hooks.
+- After model surgery (a stage replaced, moved or removed) the model is copied as it is
+  now: the wrapper's hooks are found by their hook dicts, not by stage name. If the stage
+  names it was wrapped with no longer fit it, the copy could not be wrapped again with
+  the same options, so copying or pickling raises ``OOOError`` naming the stage, at once
+  (rather than when the pickle is loaded).
 
 This module makes the plain copy and puts the new hooks in place; wrapping the copy again
 is ``module.py``'s (``_wrap_again``, and ``_restore`` for pickles), which sits above it.
@@ -34,8 +39,9 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._errors import OOOError
+from .._errors import OOOConfigError, OOOError
 from .._events import EventKind, OOOEvent
+from .._planner.api import named_stages
 from .lifecycle import WrapState
 
 __all__ = [
@@ -68,6 +74,7 @@ class _WrapperHook:
 def plain_deepcopy(model: nn.Module, state: WrapState, memo: dict[int, Any]) -> nn.Module:
     """A deep copy of a wrapped model as its original class, markers in place of the
     wrapper's hooks (``copy.deepcopy``; the caller wraps it again)."""
+    _check_rewrappable(model, state, "copy")
     handles = state.handles
     for index, handle in enumerate(handles):
         hooks = handle.hooks_dict_ref()
@@ -90,6 +97,7 @@ def plain_state(model: nn.Module, state: WrapState) -> dict[str, Any]:
     """The state to pickle for a wrapped model: its own, with markers in place of the
     wrapper's hooks and plain views of the modules on the way down to them; nothing of
     the model itself changes."""
+    _check_rewrappable(model, state, "pickle")
     module_state = model.__getstate__()  # type: ignore[no-untyped-call]  # untyped in torch
     if not isinstance(module_state, dict):
         raise OOOError(
@@ -104,12 +112,43 @@ def plain_state(model: nn.Module, state: WrapState) -> dict[str, Any]:
             ours.setdefault(id(hooks), {})[handle.id] = _WrapperHook(index)
     for hooks, hook_id in _extra_entries(handles):
         ours.setdefault(id(hooks), {})[hook_id] = None  # membership only: just dropped
-    on_paths = set()  # every module below the root on the way down to a stage, stage included
-    for stage in state.plan.stages:
-        parts = stage.name.split(".")
-        for depth in range(1, len(parts) + 1):
-            on_paths.add(id(model.get_submodule(".".join(parts[:depth]))))
-    return _plain_copy_of(module_state, ours, on_paths, {})
+    return _plain_copy_of(module_state, ours, _on_paths(model, ours), {})
+
+
+def _check_rewrappable(model: nn.Module, state: WrapState, verb: str) -> None:
+    """Raise ``OOOError`` if the stage names the model was wrapped with no longer fit it
+    (surgery after wrapping): its copy could not be wrapped again with the same options."""
+    options = state.options
+    if options.stages is None and getattr(model, "ooo_stage_names", None) is None:
+        return  # automatic stages: planned again for the copy, whatever its layout
+    try:
+        named_stages(model, options.streams, options.stages)
+    except OOOConfigError as error:
+        raise OOOError(
+            f"cannot {verb} this wrapped {state.original_class.__name__}: the copy is wrapped "
+            f"again with the same options, whose stage names no longer fit the model, changed "
+            f"after wrapping ({error}). ooo_wrap.unwrap(model) and wrap it again with its "
+            "current stage names, or save model.state_dict()"
+        ) from None
+
+
+def _on_paths(model: nn.Module, ours: dict[int, Any]) -> set[int]:
+    """Every module below the root on the way down to one that holds a wrapper hook (one of
+    ``ours`` dicts), that one included: by the hooks, not by stage name, since surgery after
+    wrapping may have moved or removed a stage, or put a plain module at its name."""
+    leads: dict[int, bool] = {}
+
+    def visit(module: nn.Module) -> bool:
+        key = id(module)
+        if key not in leads:
+            leads[key] = False  # while visiting: a tree that loops back counts once
+            holds = any(id(value) in ours for value in vars(module).values())
+            below = [visit(child) for child in module._modules.values() if child is not None]
+            leads[key] = holds or any(below)
+        return leads[key]
+
+    visit(model)
+    return {key for key, on in leads.items() if on and key != id(model)}
 
 
 def _extra_entries(handles: list[RemovableHandle]) -> Iterator[tuple[Hooks, int]]:
