@@ -16,7 +16,7 @@ from ._planner.cost import H200, ReferenceGPU
 from ._runtime.bypass import disabled
 from ._stats import OOOStats
 from ._wrapper.module import OOOModule, events_for, unwrap
-from ._wrapper.tune import Tuning
+from ._wrapper.tuning import Tuning
 
 __all__ = [
     "H200",

@@ -13,21 +13,12 @@ from collections.abc import Iterator
 
 import torch
 
+from .._reasons import MESSAGES, Reason
+
 __all__ = ["BYPASS_MESSAGES", "disabled", "eager_bypass_reason"]
 
-BYPASS_MESSAGES = {
-    "compiling": "ran under torch.compile: stages run inline on the caller's stream (the "
-    "compiled path wins). Compiled calls are not counted (a count kept inside compiled code "
-    "would make it recompile every call), so this event is recorded once and stats leave "
-    "them out",
-    "tracing": "running under torch.jit.trace: stages run inline",
-    "disabled": "inside ooo_wrap.disabled(): stages run inline on the caller's stream",
-    "tuning": "measured tuning runs every other training step as the plain model (stages "
-    "inline on the caller's stream) to time it against the plan; model.tuning shows the "
-    "measurement",
-    "no_grad": "gradients are off (torch.no_grad or torch.inference_mode): there is no "
-    "backward to overlap, so stages run inline on the caller's stream",
-}
+# The one table of reason messages (_reasons.py), under the name the scheduler reads.
+BYPASS_MESSAGES = MESSAGES
 
 
 class _Disabled(threading.local):
@@ -61,8 +52,8 @@ def disabled() -> Iterator[None]:
 def eager_bypass_reason() -> str | None:
     """Why stage calls starting now must run inline (``disabled()``, tracing), or ``None``."""
     if _disabled.depth:
-        return "disabled"
+        return Reason.DISABLED
     # Public API, but torch.jit does not re-export it in a way mypy sees as typed.
     if torch.jit.is_tracing():  # type: ignore[attr-defined,no-untyped-call]
-        return "tracing"
+        return Reason.TRACING
     return None

@@ -4,25 +4,22 @@ Until the plan is learned, a wrapped model carries only two hooks on its root (a
 :class:`Learner`). The first eager forward with gradients on (not compiling, not capturing a
 graph, not traced, not inside ``ooo_wrap.disabled()``) runs inline on the caller's stream
 under an :class:`~ooo_wrap._planner.observe.Observer`; when it returns, the plan is learned from
-what it saw and :func:`finish` replaces the two hooks with the scheduler's (or with none at
-all when there is nothing to overlap). Correctness never depends on the plan: any stages
-on any streams run the same per-stage-call protocol, so a plan learned on one step stays
-correct on every later step, whatever the model does; it only decides where overlap can
-happen. If observing or learning fails, the static plan is used and an event says why.
+what it saw, and the wrap state (``lifecycle.py``) replaces the two hooks with the
+scheduler's (or with none at all when there is nothing to overlap). Correctness never
+depends on the plan: any stages on any streams run the same per-stage-call protocol, so a
+plan learned on one step stays correct on every later step, whatever the model does; it
+only decides where overlap can happen. If observing or learning fails, the static plan is
+used and an event says why.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from .._events import EventKind, OOOEvent
 from .._plan import Plan, StageSource, plural
 from .._planner.api import named_stages, reference_gpu
 from .._planner.cost import ReferenceGPU
@@ -34,14 +31,12 @@ from .._runtime.accumulators import Accumulators
 from .._runtime.backend import Backend
 from .._runtime.bypass import eager_bypass_reason
 from .._stats import Counters
-from .handles import remove_part
 
-if TYPE_CHECKING:
-    from .module import _WrapState
+__all__ = ["Learned", "Learner", "pending_plan", "summary"]
 
-__all__ = ["Learner", "finish", "pending_plan"]
-
-logger = logging.getLogger("ooo_wrap")
+# What a learner's hook returns once the plan is known: the plan, and why observing or
+# learning failed (then it is the static plan) or None.
+Learned = tuple[Plan, str | None]
 
 
 def pending_plan(streams: int) -> Plan:
@@ -57,11 +52,10 @@ def _learned(
     return learn(record, streams, gpu=gpu, stages=names).to_plan(model, source)
 
 
-Finish = Callable[[nn.Module, Plan, str | None], None]
-
-
 class Learner:
-    """Two root hooks that observe the first eligible forward and then call ``finish``."""
+    """What the two root hooks of a model still to be learned do: observe the first eligible
+    forward and return the plan learned from it (the wrap state registers the hooks and
+    acts on what they return; a learner holds no hook and no reference to the model)."""
 
     def __init__(
         self,
@@ -83,26 +77,11 @@ class Learner:
         self._device = device
         self._observer: Observer | None = None
         self._depth = 0  # calls of the root inside the observed one (a root run recursively)
-        self.handles: list[RemovableHandle] = []
-        self.finish: Finish | None = None  # set by the wrapper: what to do with the plan
-
-    def install(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
-        """Register the two hooks, appending each handle to ``handles`` as soon as it exists."""
-        pre = model.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True)
-        handles.append(pre)
-        self.handles.append(pre)
-        post = model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
-        handles.append(post)
-        self.handles.append(post)
 
     @property
     def observing(self) -> bool:
         """Whether a forward is being observed (its post-hook is still to run)."""
         return self._observer is not None
-
-    def remove(self, handles: list[RemovableHandle]) -> None:
-        """Remove the two hooks, and their handles from ``handles``."""
-        remove_part(self.handles, handles)
 
     def _eligible(self) -> bool:
         if not torch.is_grad_enabled() or eager_bypass_reason() is not None:
@@ -110,15 +89,16 @@ class Learner:
         backend = self._backend
         return not backend.is_capturing(backend.current_stream(self._device))
 
-    def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def pre_hook(self, module: nn.Module) -> Learned | None:
+        """The root pre-hook: start observing an eligible forward; the static plan if that fails."""
         if torch.compiler.is_compiling():
-            return  # nothing is learned under compile (and nothing read: no recompiles)
+            return None  # nothing is learned under compile (and nothing read: no recompiles)
         if self._observer is not None:
             self._depth += 1
-            return
+            return None
         self._counters.forwards += 1
         if not self._eligible():
-            return
+            return None
         # This forward runs inline: its parameters' accumulators are made on the caller's
         # stream (and released again before the first planned forward).
         self._accumulators.begin(module, "inline")
@@ -126,88 +106,41 @@ class Learner:
         try:
             observer.__enter__()
         except Exception as error:
-            self._fail(module, f"observing the forward failed ({type(error).__name__}: {error})")
-            return
+            return self._failed(
+                module, f"observing the forward failed ({type(error).__name__}: {error})"
+            )
         self._observer = observer
+        return None
 
-    def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def post_hook(self, module: nn.Module) -> Learned | None:
+        """The root post-hook: the plan learned from the observed forward, once it returned."""
         if torch.compiler.is_compiling() or self._observer is None:
-            return
+            return None
         if self._depth:
             self._depth -= 1
-            return
+            return None
         observer, self._observer = self._observer, None
         raised = sys.exc_info()[1] is not None
         try:
             observer.__exit__(None, None, None)
             self._accumulators.end(module)
             if raised:
-                return  # the forward raised: learn on the next one
+                return None  # the forward raised: learn on the next one
             named = named_stages(module, self._streams, self._stages)
             gpu = reference_gpu(self._gpu)
-            learned = _learned(module, observer.record, self._streams, named, gpu)
+            return _learned(module, observer.record, self._streams, named, gpu), None
         except Exception as error:
-            self._fail(module, f"learning the plan failed ({type(error).__name__}: {error})")
-            return
-        if self.finish is not None:
-            self.finish(module, learned, None)
+            return self._failed(
+                module, f"learning the plan failed ({type(error).__name__}: {error})"
+            )
 
-    def _fail(self, module: nn.Module, why: str) -> None:
+    def _failed(self, module: nn.Module, why: str) -> Learned:
         """Fall back to the static plan (an event says why)."""
-        if self.finish is not None:
-            self.finish(module, static_plan(module, self._streams, self._stages), why)
+        return static_plan(module, self._streams, self._stages), why
 
 
-def finish(
-    model: nn.Module,
-    state: _WrapState,
-    the_plan: Plan,
-    failure: str | None,
-    start: Callable[[nn.Module, _WrapState, Plan], None],
-) -> None:
-    """Replace the learner's hooks with the scheduler's for ``the_plan``, or with none.
-
-    ``start`` creates the streams and installs the scheduler (``_wrap.start_scheduler``);
-    if it fails, its hooks are removed and the model runs inline, with an event saying so.
-    """
-    if state.learner is not None:
-        state.learner.remove(state.handles)
-        state.learner = None
-    state.plan = the_plan
-    log = state.log
-    learned = learned_of(the_plan)
-    if failure is not None:
-        log.add(
-            OOOEvent(
-                EventKind.PLANNED,
-                "static_fallback",
-                f"{failure}; using the static plan (stage names or automatic expansion, "
-                "streams round-robin)",
-            ),
-            level=logging.WARNING,
-        )
-    elif learned is not None:
-        log.add(OOOEvent(EventKind.PLANNED, "learned", _summary(the_plan)), level=logging.INFO)
-    if learned is not None and learned.outcome == "no_parallelism":
-        state.stop("no_parallelism", learned.no_parallelism_message)
-        return
-    if not the_plan.stages or (failure is not None and len(the_plan.stages) < 2):
-        state.stop("too_few_stages", "fewer than two stages: nothing to overlap")
-        return
-    if len(the_plan.devices) > 1:
-        state.stop("multi_device", "stages span several devices")
-        return
-    reason = state.backend.unsupported_reason(the_plan.devices[0])
-    if reason is not None:
-        state.stop(reason, f"the stages' device {the_plan.devices[0]} has no side streams")
-        return
-    try:
-        start(model, state, the_plan)
-    except Exception as error:
-        state.stop("setup_failed", f"setup failed ({type(error).__name__}: {error})")
-
-
-def _summary(the_plan: Plan) -> str:
+def summary(the_plan: Plan) -> str:
+    """The message of the ``PLANNED``/``learned`` event."""
     learned = learned_of(the_plan)
     assert learned is not None  # only called for learned plans
     regions = plural(len(learned.regions), "parallel region")

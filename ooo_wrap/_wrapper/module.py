@@ -1,114 +1,62 @@
-"""``OOOModule``: wrap a model in place (class swap plus hooks), or fall back untouched."""
+"""``OOOModule`` and the public functions: wrap a model in place (class swap plus hooks),
+or fall back untouched; unwrap, replan, retune; copies and pickles wrapped again.
+
+The layers below: ``fallback.py`` (when the model is left untouched), ``lifecycle.py``
+(the wrap state machine: every hook added or removed), ``registry.py`` (which models are
+wrapped), ``serialize.py`` (plain copies), ``classswap.py`` (the swapped class).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
-import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, NoReturn, SupportsIndex
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.hooks import RemovableHandle
 
-from .._compat import forward_hook_dicts, is_compiled_module
+from .._compat import is_compiled_module
 from .._errors import OOOConfigError, OOOError, warn_user
 from .._events import EventKind, EventLog, OOOEvent
 from .._plan import Plan, plural
-from .._planner.api import named_stages, plan
 from .._planner.cost import GPULike, as_reference_gpu
-from .._runtime.accumulators import Accumulators
-from .._runtime.backend import AcceleratorBackend, Backend, clock_of
-from .._runtime.profiling import ProfiledScheduler
+from .._reasons import Reason
+from .._runtime.backend import AcceleratorBackend, Backend
 from .._runtime.recompute import install as install_recompute_ordering
-from .._runtime.scheduler import Scheduler, running
-from .._stats import Counters, OOOStats
+from .._stats import OOOStats
 from .classswap import build_original, wrapped_class
-from .learn import Learner, finish, pending_plan
+from .fallback import record_fallback, refuse_nested, what_to_install
+from .lifecycle import WrapState
 from .options import Planner, Tune, WrapOptions
-from .serialize import deepcopy_wrapped, reduce_wrapped
-from .tune import Tuner, Tuning
+from .registry import detached as _detached
+from .registry import (
+    events_for,
+    is_wrapped,
+    mark_graphed,
+    plan_pending,
+    root_hooks_lifted,
+    runs_plain,
+    stage_of,
+)
+from .registry import wrapped as _wrapped
+from .serialize import new_instance, plain_deepcopy, plain_state, put_in_place, take_markers
+from .tuning import Tuning
 
-__all__ = ["OOOModule", "events_for", "unwrap"]
-
-logger = logging.getLogger("ooo_wrap")
-
-
-@dataclass
-class _WrapState:
-    """Everything the wrapper knows about one wrapped model (kept outside the model)."""
-
-    plan: Plan
-    options: WrapOptions
-    original_class: type[nn.Module]
-    scheduler: Scheduler | None  # None while the plan is being learned, or with no hooks
-    handles: list[RemovableHandle]
-    log: EventLog
-    counters: Counters
-    backend: Backend
-    learner: Learner | None = None  # the hooks that learn the plan, until it is learned
-    tuner: Tuner | None = None  # the hooks that time plain against planned, until decided
-    tuning: Tuning | None = None  # the last decided tuning; None if never tuned
-    # Which accumulators the wrapper's own forwards made (released when the next forward
-    # runs on other streams; _runtime/accumulators.py).
-    accumulators: Accumulators = field(default_factory=Accumulators)
-
-    def events(self) -> tuple[OOOEvent, ...]:
-        if self.scheduler is not None:
-            self.scheduler.sync_compiled_events()
-        return self.log.snapshot()
-
-    def remove_hooks(self) -> None:
-        """Remove every hook of the wrapper (the model keeps its swapped class)."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        if self.scheduler is not None:
-            self.scheduler.release()
-        if self.tuner is not None:
-            self.tuning = self.tuner.record()  # as far as it got
-        self.scheduler = self.learner = self.tuner = None
-
-    def stop(self, reason: str, why: str) -> None:
-        """No hooks at all from now on: the model runs as if unwrapped (and stays unwrappable)."""
-        self.remove_hooks()
-        again = (
-            "model.replan() learns again on the next training forward"
-            if self.options.planner == "dataflow"
-            else "model.retune() measures again"
-        )
-        self.log.add(
-            OOOEvent(
-                EventKind.DISABLED,
-                reason,
-                f"{why}; every forward from now on runs the plain model, with no hook at all "
-                f"({again})",
-            ),
-            level=logging.INFO,
-        )
-
-
-# Keyed weakly by the model: nothing here keeps a model alive, and nothing is stored on it.
-_wrapped: weakref.WeakKeyDictionary[nn.Module, _WrapState] = weakref.WeakKeyDictionary()
-_detached: weakref.WeakKeyDictionary[nn.Module, tuple[OOOEvent, ...]] = weakref.WeakKeyDictionary()
-
-_FALLBACK_MESSAGES = {
-    "cpu": "model is on the CPU: standard backward (side streams need an accelerator; "
-    "move the model to it before wrapping)",
-    "mps": "model is on MPS, which has a single stream: standard backward",
-    "no_accelerator": "no stream-capable accelerator for the model's device: standard backward",
-    "too_few_stages": "fewer than two stages: nothing to overlap, standard backward (name "
-    "stages with stages=[...] or a model.ooo_stage_names attribute)",
-    "multi_device": "stages span several devices: standard backward (wrap a model that "
-    "lives on one device)",
-    "compiled": "the model is torch.compile'd: out-of-order backprop is off, the compiled "
-    "path wins (they are mutually exclusive; pick one and benchmark it)",
-    "unsupported_module": "TorchScript modules cannot run Python hooks: standard backward",
-}
+# The integrations and testing layers import the registry's queries and record_fallback
+# from here, with the public names.
+__all__ = [
+    "OOOModule",
+    "events_for",
+    "is_wrapped",
+    "mark_graphed",
+    "plan_pending",
+    "record_fallback",
+    "root_hooks_lifted",
+    "runs_plain",
+    "stage_of",
+    "unwrap",
+]
 
 
 class OOOModule(nn.Module):
@@ -243,14 +191,13 @@ class OOOModule(nn.Module):
         training forward runs inline while it is observed. Raises :class:`OOOError`
         inside a forward of the model (it changes nothing then).
         """
-        replan(self)
+        _state(self).replan(self)
 
     @property
     def tuning(self) -> Tuning | None:
         """What measured tuning found: ``None`` if this model never tunes, else a
         :class:`~ooo_wrap.Tuning` whose ``decision`` is ``"pending"`` while measuring."""
-        state = _state(self)
-        return state.tuner.record() if state.tuner is not None else state.tuning
+        return _state(self).tuning()
 
     def retune(self) -> None:
         """Measure the current plan against the plain model again, from the next forward.
@@ -262,7 +209,7 @@ class OOOModule(nn.Module):
             OOOConfigError: the model does not tune (``tune=False``, or a backend that
                 cannot time), or it has no plan with stages to measure.
         """
-        retune(self)
+        _state(self).retune(self)
 
     @property
     def stats(self) -> OOOStats:
@@ -284,7 +231,15 @@ class OOOModule(nn.Module):
     # the scheduler (thread-local state, streams) is never copied. See serialize.py.
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
-        return deepcopy_wrapped(self, _state(self), memo, _rewrap)
+        clone = plain_deepcopy(self, _state(self), memo)
+        _wrap_again(
+            clone,
+            _state(self).options,
+            "deepcopy",
+            "a deep copy of a wrapped model, wrapped again with the same options: its own "
+            "hooks, streams, events and stats (the original's stay with the original)",
+        )
+        return clone
 
     def __copy__(self) -> NoReturn:
         raise OOOError(
@@ -293,7 +248,11 @@ class OOOModule(nn.Module):
         )
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        return reduce_wrapped(self, _state(self), _rewrap)
+        state = _state(self)
+        payload = (plain_state(self, state), state.options)
+        # The 6th item (state_setter) runs after the state is loaded: the model is rebuilt
+        # first, so references back to it inside its own state resolve to the new object.
+        return (new_instance, (state.original_class,), payload, None, None, _restore)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -313,154 +272,14 @@ def unwrap(model: nn.Module) -> nn.Module:
             f"{state.original_class.__name__} would drop that wrapper. Unwrap before "
             "applying it, or apply it first and OOOModule last"
         )
-    _refuse_inside_forward(model, state, "unwrap()")
+    state.unwrap(model)  # refused inside a forward of the model, changing nothing
     del _wrapped[model]
-    state.events()  # moves counts taken in compiled code into the log while it can
-    state.remove_hooks()
     model.__class__ = state.original_class
-    state.log.add(
-        OOOEvent(EventKind.UNWRAPPED, "unwrap", "hooks removed and class restored"),
-        level=logging.INFO,
-    )
     _detached[model] = state.events()
     return model
 
 
-def events_for(model: nn.Module) -> tuple[OOOEvent, ...]:
-    """The events of ``model``: wrapped, fallen back untouched, or unwrapped.
-
-    Returns ``()`` for a model :class:`OOOModule` never saw.
-
-    Example::
-
-        >>> model = ooo_wrap.OOOModule(cpu_model)   # falls back: returns cpu_model
-        >>> ooo_wrap.events_for(model)[-1].reason
-        'cpu'
-    """
-    state = _wrapped.get(model)
-    if state is not None:
-        return state.events()
-    return _detached.get(model, ())
-
-
-def is_wrapped(model: object) -> bool:
-    """Whether ``model`` is a model :class:`OOOModule` wrapped (and has not unwrapped)."""
-    return isinstance(model, nn.Module) and model in _wrapped
-
-
-def plan_pending(model: nn.Module) -> bool:
-    """Whether ``model`` is wrapped and its plan is still to be learned: it carries the
-    learner's two root hooks and no stage hook yet."""
-    state = _wrapped.get(model)
-    return state is not None and state.learner is not None
-
-
-def runs_plain(model: nn.Module) -> bool:
-    """Whether ``model`` is wrapped but carries no hook of the wrapper: learning found
-    nothing to overlap, or the learned plan could not start (a ``DISABLED`` event says why)."""
-    state = _wrapped.get(model)
-    return state is not None and state.scheduler is None and state.learner is None
-
-
-def stage_of(module: object) -> tuple[nn.Module, str] | None:
-    """The wrapped model and stage name if ``module`` is a stage with the wrapper's hooks.
-
-    By the hooks, not by name: after model surgery (``model.blocks[1] = new``) the module
-    wrapped as the stage keeps the hooks, and the one now at the name has none.
-    """
-    for model, state in list(_wrapped.items()):
-        if state.scheduler is None:
-            continue  # no stage hooks yet (plan to be learned) or none at all
-        name = state.scheduler.stage_name_of(module)
-        if name is not None:
-            return model, name
-    return None
-
-
-@contextlib.contextmanager
-def root_hooks_lifted(model: nn.Module) -> Iterator[None]:
-    """Take the wrapper's hooks off ``model`` itself for the block; its stages keep theirs.
-
-    Afterwards, even if the block raised, they are put back exactly: the same handles
-    (``unwrap`` still removes them) at the same places in the hook order. Hooks that others
-    added or removed meanwhile stay as they are then. A no-op on a model not wrapped.
-    """
-    state = _wrapped.get(model)
-    if state is None:
-        yield
-        return
-    dicts = forward_hook_dicts(model)
-    before = [dict(hooks) for hooks in dicts]
-    # Handle ids are unique in the process: a handle whose id is in the root's own dicts
-    # holds a root hook (the scheduler's or the learner's pair).
-    root = [handle for handle in state.handles if any(handle.id in hooks for hooks in dicts)]
-    lifted = {handle.id for handle in root}
-    try:
-        for handle in root:
-            handle.remove()
-        yield
-    finally:
-        for hooks, saved in zip(dicts, before, strict=True):
-            kept = [
-                (key, saved[key] if key in lifted else hooks[key])
-                for key in saved
-                if key in lifted or key in hooks
-            ]
-            added = [(key, hook) for key, hook in hooks.items() if key not in saved]
-            hooks.clear()
-            hooks.update(kept + added)
-
-
-def mark_graphed(model: nn.Module) -> None:
-    """Tell the scheduler of ``model`` (if any) that its forwards replay a CUDA graph now,
-    so forwards that call no stage are expected (see ``Scheduler.stages_replay_in_a_graph``)."""
-    state = _wrapped.get(model)
-    if state is not None and state.scheduler is not None:
-        state.scheduler.stages_replay_in_a_graph()
-    if state is not None and state.tuner is not None:
-        state.tuner.stop_for_graphs()
-
-
-def record_fallback(
-    model: nn.Module, reason: str, *, warn: bool = False, message: str | None = None
-) -> nn.Module:
-    """Leave ``model`` untouched, record a ``DISABLED`` event for it and return it; the
-    event's message is ``message``, or the reason's usual one."""
-    event = OOOEvent(EventKind.DISABLED, reason, message or _FALLBACK_MESSAGES[reason])
-    _detached[model] = (event,)
-    logger.info("%s", event)
-    if warn:
-        warn_user(f"ooo_wrap: {event.message}")
-    return model
-
-
-def _too_few_stages(model: nn.Module, the_plan: Plan) -> nn.Module:
-    """Fall back for fewer than two stages; where the user named the one stage, the usual
-    hint (name stages) would be wrong: say why one is not enough."""
-    if the_plan.source not in ("argument", "attribute") or len(the_plan.stages) != 1:
-        return record_fallback(model, "too_few_stages")
-    name = the_plan.stages[0].name
-    if the_plan.source == "argument":
-        where, fix = "stages=", f"stages=[{name!r}, ...]"
-    else:
-        where, fix = "model.ooo_stage_names", f"ooo_stage_names = [{name!r}, ...]"
-    return record_fallback(
-        model,
-        "too_few_stages",
-        message=f"{where} names a single stage, {name!r}, which has nothing to overlap "
-        "with (stages overlap each other, so it takes two or more): standard backward; "
-        f"name two or more sub-modules that can run at the same time ({fix}), or leave "
-        "the names out to have the stages found",
-    )
-
-
-def _rewrap(model: nn.Module, options: WrapOptions) -> _WrapState | None:
-    """Wrap a copy as ``options`` say: its wrap state, or ``None`` if it fell back."""
-    _wrap(model, options)
-    return _wrapped.get(model)
-
-
-def _state(model: nn.Module) -> _WrapState:
+def _state(model: nn.Module) -> WrapState:
     state = _wrapped.get(model)
     if state is None:  # e.g. a copy made through pickle without re-wrapping
         raise OOOConfigError(
@@ -480,7 +299,7 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
             f"this {type(model).__name__} is already wrapped; call model.unwrap() first "
             "to wrap it again with other options"
         )
-    _refuse_nested(model)
+    refuse_nested(model)
     if isinstance(model, DistributedDataParallel):
         # Wrapping inside DDP keeps stage names, ooo_stage_names and the plan the model's
         # own (no "module." prefix) and is the order tested on every DDP mode; one order
@@ -490,215 +309,15 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
             "model = DistributedDataParallel(ooo_wrap.OOOModule(model, ...), ...)"
         )
     if is_compiled_module(model):
-        return record_fallback(model, "compiled", warn=True)
+        return record_fallback(model, Reason.COMPILED, warn=True)
     if isinstance(model, torch.jit.ScriptModule):
-        return record_fallback(model, "unsupported_module")
+        return record_fallback(model, Reason.UNSUPPORTED_MODULE)
     backend = options.backend if options.backend is not None else AcceleratorBackend()
-    # Devices first: a model that cannot use side streams anyway falls back whatever its
-    # layout, without planning it.
-    reasons = [backend.unsupported_reason(device) for device in _devices(model)]
-    if reasons and all(reason is not None for reason in reasons):
-        return _device_fallback(model, str(reasons[0]), options)
-    if options.tune is True and clock_of(backend, _devices(model)[0]) is None:
-        raise OOOConfigError(
-            f"tune=True measures steps on the device, but the {backend.name} backend cannot "
-            "time them; pass tune='auto' (tunes where it can) or tune=False, or give "
-            "SimulatedBackend a step_time= clock"
-        )
-    if options.planner == "dataflow":
-        return _wrap_learning(model, options, backend)
-    the_plan = plan(model, options.streams, stages=options.stages)
-    if len(the_plan.stages) < 2:
-        return _too_few_stages(model, the_plan)
-    if len(the_plan.devices) > 1:
-        return record_fallback(model, "multi_device")
-    reason = backend.unsupported_reason(the_plan.devices[0])
-    if reason is not None:
-        return _device_fallback(model, reason, options)
-    return _install(model, the_plan, options, backend)
-
-
-def _wrap_learning(model: nn.Module, options: WrapOptions, backend: Backend) -> nn.Module:
-    """Wrap with the learner's hooks only; the plan is learned on the first training forward.
-
-    Named stages are checked now (the same errors as the static plan); automatic stages
-    are not known yet, so only a model with no supported device falls back here.
-    """
-    named = named_stages(model, options.streams, options.stages)
-    if named is not None and len(named.stages) < 2:
-        return _too_few_stages(model, named)
-    devices = [d for d in _devices(model) if backend.unsupported_reason(d) is None]
-    if not devices:  # a model with neither parameters nor buffers
-        return record_fallback(model, "too_few_stages")
-    return _install(model, pending_plan(options.streams), options, backend, devices[0])
-
-
-def replan(model: nn.Module) -> None:
-    """See :meth:`OOOModule.replan`."""
-    state = _state(model)
-    if state.options.planner != "dataflow":
-        raise OOOConfigError(
-            "replan() learns the plan from the dataflow, but this model was wrapped with "
-            "planner='static'; unwrap it and wrap it again with planner='dataflow'"
-        )
-    _refuse_inside_forward(model, state, "replan()")
-    if state.learner is not None:
-        return  # not learned yet: the next training forward learns it anyway
-    state.remove_hooks()
-    device = state.plan.devices[0] if state.plan.stages else _devices(model)[0]
-    _start_learner(state, device)
-    assert state.learner is not None
-    state.learner.install(model, state.handles)
-    state.log.add(
-        OOOEvent(EventKind.PLANNED, "replan", "the plan is learned again on the next forward"),
-        level=logging.INFO,
-    )
-
-
-def _refuse_inside_forward(model: nn.Module, state: _WrapState, call: str) -> None:
-    """Refuse ``call`` while a forward of ``model`` runs on this thread: it removes the
-    hooks, so the post-hook of the stage running now (which restores the caller's
-    stream) or of the root (which ends the planner's observation) would never run."""
-    learner = state.learner
-    if running(model, state.scheduler, learner is not None and learner.observing):
-        raise OOOError(
-            f"{call} was called inside a forward of this {type(model).__name__} (from a "
-            "stage's forward, or a hook); it removes the hooks that restore your stream "
-            "(and end the planner's observation) when the forward returns, so nothing was "
-            "changed. Call it between forwards (a router that decides to replan can set a "
-            "flag in forward and call it after the step)"
-        )
-
-
-def _start_learner(state: _WrapState, device: torch.device) -> None:
-    options = state.options
-    state.plan = pending_plan(options.streams)
-    learner = Learner(
-        options.streams,
-        options.stages,
-        state.backend,
-        device,
-        state.counters,
-        state.accumulators,
-        gpu=options.gpu,
-    )
-    # The learner holds no reference to the model (a wrap state must not keep it alive).
-    learner.finish = lambda model, the_plan, why: finish(
-        model, _state(model), the_plan, why, start_scheduler
-    )
-    state.learner = learner
-
-
-def _devices(model: nn.Module) -> list[torch.device]:
-    """The distinct devices of the model's parameters and buffers, in model order."""
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    return list(dict.fromkeys(tensor.device for tensor in tensors))
-
-
-_warned_cpu_with_accelerator = False
-
-
-def _device_fallback(model: nn.Module, reason: str, options: WrapOptions) -> nn.Module:
-    """Fall back for the device; warn (once per process) about the natural mistake of
-    wrapping on the CPU and moving the model to the accelerator afterwards."""
-    global _warned_cpu_with_accelerator
-    accelerator = (
-        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    )
-    if reason != "cpu" or options.backend is not None or accelerator is None:
-        return record_fallback(model, reason)
-    record_fallback(model, reason)
-    if not _warned_cpu_with_accelerator:
-        _warned_cpu_with_accelerator = True
-        warn_user(
-            f"ooo_wrap: the model is on the CPU but a {accelerator.type} accelerator is "
-            "available, so OOOModule left it untouched (moving it afterwards does not wrap "
-            f"it); move it first, then wrap: OOOModule(model.to({accelerator.type!r}), ...)"
-        )
-    return model
-
-
-def _refuse_nested(model: nn.Module) -> None:
-    """One wrapped model may not contain another: both would fork the same calls."""
-    for name, sub in model.named_modules(remove_duplicate=False):
-        if sub is not model and sub in _wrapped:
-            raise OOOConfigError(
-                f"sub-module '{name}' of this {type(model).__name__} is already wrapped; "
-                "wrap only one of them: ooo_wrap.unwrap() the inner one first, or keep it "
-                "and name its parts as stages there"
-            )
-    for other in list(_wrapped):
-        for name, sub in other.named_modules(remove_duplicate=False):
-            if sub is model:
-                raise OOOConfigError(
-                    f"this {type(model).__name__} is sub-module '{name}' of a wrapped "
-                    f"{type(other).__name__}; wrap only one of them (name '{name}' or its "
-                    "parts as stages of the outer model instead)"
-                )
-
-
-def start_scheduler(model: nn.Module, state: _WrapState, the_plan: Plan) -> None:
-    """Create the plan's streams and install its scheduler's hooks into ``state``; on any
-    failure, remove the hooks it added and raise."""
-    backend = state.backend
-    streams = [backend.new_stream(the_plan.devices[0]) for _ in range(the_plan.num_streams)]
-    # Picked here, once: without profile_ranges the hooks carry no profiling code.
-    scheduler_class = ProfiledScheduler if state.options.profile_ranges else Scheduler
-    scheduler = scheduler_class(
-        the_plan, streams, backend, state.log, state.counters, state.options.overlap_forward
-    )
-    added: list[RemovableHandle] = []
-    try:
-        scheduler.install(model, added)
-    except Exception:
-        for handle in added:
-            handle.remove()
-        raise
-    state.handles += added
-    state.plan, state.scheduler = the_plan, scheduler
-    scheduler.accumulators = state.accumulators
-    _start_tuning(model, state)
-
-
-def _start_tuning(model: nn.Module, state: _WrapState) -> None:
-    """Time plain against planned steps from the next forward on, if the options ask and
-    the backend can time (``tune.py``)."""
-    scheduler, the_plan = state.scheduler, state.plan
-    assert scheduler is not None
-    clock = clock_of(state.backend, the_plan.devices[0])
-    if state.options.tune is False or clock is None:
-        return
-    tuner = Tuner(state, scheduler, the_plan.devices[0], clock, state.options.tune_steps)
-    tuner.install(model)
-    state.tuner, state.tuning = tuner, None
-
-
-def retune(model: nn.Module) -> None:
-    """See :meth:`OOOModule.retune`."""
-    state = _state(model)
-    _refuse_inside_forward(model, state, "retune()")
-    if state.options.tune is False or clock_of(state.backend, _devices(model)[0]) is None:
-        raise OOOConfigError(
-            "retune() measures the plan on the device, but this model does not tune "
-            "(tune=False, or its backend cannot time steps); wrap it with tune=True on an "
-            "accelerator"
-        )
-    if state.learner is not None or state.tuner is not None:
-        return  # the plan is still to be learned, or tuning is underway: it will decide
-    if not state.plan.stages:
-        raise OOOConfigError(
-            "retune() has no plan to measure: this model runs plain because "
-            f"{_why_plain(state)}; model.replan() learns a plan again"
-        )
-    if state.scheduler is None:  # plain was measured faster: put the plan's hooks back
-        start_scheduler(model, state, state.plan)
-        return
-    _start_tuning(model, state)
-
-
-def _why_plain(state: _WrapState) -> str:
-    disabled = [e for e in state.log.snapshot() if e.kind is EventKind.DISABLED]
-    return disabled[-1].reason if disabled else "it has no stages"
+    found = what_to_install(model, options, backend)
+    if found is None:
+        return model
+    the_plan, learn_on = found
+    return _install(model, the_plan, options, backend, learn_on)
 
 
 def _install(
@@ -706,7 +325,7 @@ def _install(
     the_plan: Plan,
     options: WrapOptions,
     backend: Backend,
-    learn_on: torch.device | None = None,
+    learn_on: torch.device | None,
 ) -> nn.Module:
     """Register hooks (the scheduler's, or the learner's when ``learn_on`` names the device
     to learn on) and swap the class; undo all of it on any failure."""
@@ -714,21 +333,17 @@ def _install(
     original_class = type(model)
     names_before = _names(model)
     log = EventLog()
-    state = _WrapState(the_plan, options, original_class, None, [], log, Counters(), backend)
+    state = WrapState(
+        plan=the_plan, options=options, original_class=original_class, backend=backend, log=log
+    )
     try:
-        if learn_on is None:
-            start_scheduler(model, state, the_plan)
-        else:
-            _start_learner(state, learn_on)
-            assert state.learner is not None
-            state.learner.install(model, state.handles)
+        state.start(model, learn_on)
         model.__class__ = wrapped_class(model, original_class, OOOModule)
         if _names(model) != names_before:  # the contract: wrapping renames nothing
             raise RuntimeError("parameter or buffer names changed while wrapping")
         _wrapped[model] = state
     except Exception as error:
-        for handle in state.handles:
-            handle.remove()
+        state.close()
         model.__class__ = original_class
         _wrapped.pop(model, None)
         event = OOOEvent(
@@ -759,3 +374,26 @@ def _install(
 
 def _names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()] + list(model.state_dict())
+
+
+def _wrap_again(model: nn.Module, options: WrapOptions, reason: str, message: str) -> None:
+    """Wrap a plain copy (with markers) as ``options`` say, its new hooks in the markers'
+    places, noting where it came from; or leave it plain (a fallback)."""
+    marked = take_markers(model)
+    _wrap(model, options)
+    state = _wrapped.get(model)
+    if state is not None:
+        put_in_place(marked, state, reason, message)
+
+
+def _restore(model: nn.Module, payload: tuple[dict[str, Any], WrapOptions]) -> None:
+    """A pickle's state setter: load the plain state into ``model`` and wrap it again (or
+    let it fall back). Part of the pickle format of wrapped models (see serialize.py)."""
+    module_state, options = payload
+    model.__setstate__(module_state)  # type: ignore[no-untyped-call]  # untyped in torch
+    _wrap_again(
+        model,
+        options,
+        "unpickled",
+        "loaded from a pickle of a wrapped model and wrapped again with the same options",
+    )

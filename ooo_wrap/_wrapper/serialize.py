@@ -14,6 +14,14 @@ cannot import it by name. So the scheduler is never copied:
 - A stage copied or pickled apart from its model raises (``Scheduler.__reduce_ex__``); so
   does a pickle that reaches a stage other than as a sub-module (say, from a plain list
   attribute), since only the module tree is stored without the hooks.
+- After model surgery (a stage replaced, moved or removed) the model is copied as it is
+  now: the wrapper's hooks are found by their hook dicts, not by stage name. If the stage
+  names it was wrapped with no longer fit it, the copy could not be wrapped again with
+  the same options, so copying or pickling raises ``OOOError`` naming the stage, at once
+  (rather than when the pickle is loaded).
+
+This module makes the plain copy and puts the new hooks in place; wrapping the copy again
+is ``module.py``'s (``_wrap_again``, and ``_restore`` for pickles), which sits above it.
 
 User hooks are copied and pickled like any other module state, and keep their place: the
 markers say where the wrapper's hooks were, so that the new hooks take those places (a user
@@ -23,29 +31,31 @@ hook added to a stage after wrapping still runs after the wrapper's, on the call
 from __future__ import annotations
 
 import copy
-import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._errors import OOOError
+from .._errors import OOOConfigError, OOOError
 from .._events import EventKind, OOOEvent
-from .options import WrapOptions
+from .._planner.api import named_stages
+from .lifecycle import WrapState
 
-if TYPE_CHECKING:  # for annotations only: _wrap imports this module, never the reverse
-    from .module import _WrapState
-
-# Wraps a model as the options say; returns its wrap state, or None if it fell back.
-# Passed in by _wrap (which sits above this module), so that neither imports the other.
-Rewrap = Callable[[nn.Module, WrapOptions], "_WrapState | None"]
-
-__all__ = ["deepcopy_wrapped", "reduce_wrapped"]
+__all__ = [
+    "Marked",
+    "new_instance",
+    "plain_deepcopy",
+    "plain_state",
+    "put_in_place",
+    "take_markers",
+]
 
 Hooks = dict[Any, Any]  # a module's hook dict (an OrderedDict), keyed by hook id
+# Each hook dict that held a marker, with its keys in order (markers in the wrapper's places).
+Marked = list[tuple[Hooks, list[Any]]]
 
 
 @dataclass(frozen=True)
@@ -53,19 +63,20 @@ class _WrapperHook:
     """Marks, in a copied or pickled hook dict, the place of the wrapper's hook number
     ``index`` (in install order); the new wrapper's hook of that index takes the place.
 
-    Part of the pickle format of wrapped models, with :func:`_new_instance`,
-    :func:`_restore`, ``ooo_wrap._wrapper.module._rewrap`` and ``WrapOptions``: renaming them
-    breaks loading older pickles.
+    Part of the pickle format of wrapped models, with :func:`new_instance`,
+    ``ooo_wrap._wrapper.module._restore`` and ``WrapOptions``: renaming them breaks loading
+    older pickles.
     """
 
     index: int
 
 
-def deepcopy_wrapped(
-    model: nn.Module, state: _WrapState, memo: dict[int, Any], rewrap: Rewrap
-) -> nn.Module:
-    """``copy.deepcopy`` of a wrapped model: a plain deep copy, wrapped with the same options."""
-    for index, handle in enumerate(state.handles):
+def plain_deepcopy(model: nn.Module, state: WrapState, memo: dict[int, Any]) -> nn.Module:
+    """A deep copy of a wrapped model as its original class, markers in place of the
+    wrapper's hooks (``copy.deepcopy``; the caller wraps it again)."""
+    _check_rewrappable(model, state, "copy")
+    handles = state.handles
+    for index, handle in enumerate(handles):
         hooks = handle.hooks_dict_ref()
         if hooks is not None and handle.id in hooks:
             memo[id(hooks[handle.id])] = _WrapperHook(index)  # copied as the marker
@@ -73,50 +84,71 @@ def deepcopy_wrapped(
     clone = cls.__new__(cls)
     memo[id(model)] = clone  # before copying the state: it may refer back to the model
     # nn.Module's __getstate__ / __setstate__ are untyped in torch.
-    plain_state = model.__getstate__()  # type: ignore[no-untyped-call]
-    clone.__setstate__(copy.deepcopy(plain_state, memo))  # type: ignore[no-untyped-call]
-    for hooks, hook_id in _extra_entries(state.handles):
+    module_state = model.__getstate__()  # type: ignore[no-untyped-call]
+    clone.__setstate__(copy.deepcopy(module_state, memo))  # type: ignore[no-untyped-call]
+    for hooks, hook_id in _extra_entries(handles):
         copied = memo.get(id(hooks))  # the copy of this dict, made just above
         if isinstance(copied, dict):
             copied.pop(hook_id, None)
-    _wrap_again(
-        clone,
-        state.options,
-        rewrap,
-        "deepcopy",
-        "a deep copy of a wrapped model, wrapped again with the same options: its own "
-        "hooks, streams, events and stats (the original's stay with the original)",
-    )
     return clone
 
 
-def reduce_wrapped(model: nn.Module, state: _WrapState, rewrap: Rewrap) -> tuple[Any, ...]:
-    """``__reduce_ex__`` of a wrapped model: rebuild the plain model, then wrap it again
-    (``rewrap`` is pickled by name, as a module-level function)."""
-    plain_state = model.__getstate__()  # type: ignore[no-untyped-call]  # untyped in torch
-    if not isinstance(plain_state, dict):
+def plain_state(model: nn.Module, state: WrapState) -> dict[str, Any]:
+    """The state to pickle for a wrapped model: its own, with markers in place of the
+    wrapper's hooks and plain views of the modules on the way down to them; nothing of
+    the model itself changes."""
+    _check_rewrappable(model, state, "pickle")
+    module_state = model.__getstate__()  # type: ignore[no-untyped-call]  # untyped in torch
+    if not isinstance(module_state, dict):
         raise OOOError(
             f"cannot pickle this wrapped {state.original_class.__name__}: its __getstate__ "
             "does not return a dict; save model.state_dict(), or ooo_wrap.unwrap(model) first"
         )
     ours: dict[int, dict[int, _WrapperHook | None]] = {}  # id(dict) -> hook id -> marker
-    for index, handle in enumerate(state.handles):
+    handles = state.handles
+    for index, handle in enumerate(handles):
         hooks = handle.hooks_dict_ref()
         if hooks is not None:
             ours.setdefault(id(hooks), {})[handle.id] = _WrapperHook(index)
-    for hooks, hook_id in _extra_entries(state.handles):
+    for hooks, hook_id in _extra_entries(handles):
         ours.setdefault(id(hooks), {})[hook_id] = None  # membership only: just dropped
-    on_paths = set()  # every module below the root on the way down to a stage, stage included
-    for stage in state.plan.stages:
-        parts = stage.name.split(".")
-        for depth in range(1, len(parts) + 1):
-            on_paths.add(id(model.get_submodule(".".join(parts[:depth]))))
-    views: dict[int, nn.Module] = {}
-    payload = (_plain_copy_of(plain_state, ours, on_paths, views), state.options)
-    # The 6th item (state_setter) runs after the state is loaded: the model is rebuilt
-    # first, so references back to it inside its own state resolve to the new object.
-    restore = functools.partial(_restore, rewrap=rewrap)
-    return (_new_instance, (state.original_class,), payload, None, None, restore)
+    return _plain_copy_of(module_state, ours, _on_paths(model, ours), {})
+
+
+def _check_rewrappable(model: nn.Module, state: WrapState, verb: str) -> None:
+    """Raise ``OOOError`` if the stage names the model was wrapped with no longer fit it
+    (surgery after wrapping): its copy could not be wrapped again with the same options."""
+    options = state.options
+    if options.stages is None and getattr(model, "ooo_stage_names", None) is None:
+        return  # automatic stages: planned again for the copy, whatever its layout
+    try:
+        named_stages(model, options.streams, options.stages)
+    except OOOConfigError as error:
+        raise OOOError(
+            f"cannot {verb} this wrapped {state.original_class.__name__}: the copy is wrapped "
+            f"again with the same options, whose stage names no longer fit the model, changed "
+            f"after wrapping ({error}). ooo_wrap.unwrap(model) and wrap it again with its "
+            "current stage names, or save model.state_dict()"
+        ) from None
+
+
+def _on_paths(model: nn.Module, ours: dict[int, Any]) -> set[int]:
+    """Every module below the root on the way down to one that holds a wrapper hook (one of
+    ``ours`` dicts), that one included: by the hooks, not by stage name, since surgery after
+    wrapping may have moved or removed a stage, or put a plain module at its name."""
+    leads: dict[int, bool] = {}
+
+    def visit(module: nn.Module) -> bool:
+        key = id(module)
+        if key not in leads:
+            leads[key] = False  # while visiting: a tree that loops back counts once
+            holds = any(id(value) in ours for value in vars(module).values())
+            below = [visit(child) for child in module._modules.values() if child is not None]
+            leads[key] = holds or any(below)
+        return leads[key]
+
+    visit(model)
+    return {key for key, on in leads.items() if on and key != id(model)}
 
 
 def _extra_entries(handles: list[RemovableHandle]) -> Iterator[tuple[Hooks, int]]:
@@ -173,40 +205,29 @@ def _plain_view(
     return view
 
 
-def _new_instance(cls: type[nn.Module]) -> nn.Module:
-    """An empty instance of the original class; its state is set by :func:`_restore`."""
+def new_instance(cls: type[nn.Module]) -> nn.Module:
+    """An empty instance of the original class (a pickle's first step); its state is set
+    by ``module._restore``."""
     return cls.__new__(cls)
 
 
-def _restore(model: nn.Module, payload: tuple[dict[str, Any], WrapOptions], rewrap: Rewrap) -> None:
-    """Load the plain state into ``model`` and wrap it again (or let it fall back)."""
-    plain_state, options = payload
-    model.__setstate__(plain_state)  # type: ignore[no-untyped-call]  # untyped in torch
-    _wrap_again(
-        model,
-        options,
-        rewrap,
-        "unpickled",
-        "loaded from a pickle of a wrapped model and wrapped again with the same options",
-    )
-
-
-def _wrap_again(
-    model: nn.Module, options: WrapOptions, rewrap: Rewrap, reason: str, message: str
-) -> None:
-    """Take the markers out, wrap ``model`` as ``options`` say, put the new hooks in the
-    markers' places and note where the model came from; or leave it plain (a fallback)."""
+def take_markers(model: nn.Module) -> Marked:
+    """Before wrapping a copy again: give loaded hooks fresh ids, take every marker out and
+    return each dict that had one, with its keys in order."""
     _rekey_loaded_hooks(model)
-    marked = _take_markers(model)
-    state = rewrap(model, options)
-    if state is None:
-        return
+    return _take_markers(model)
+
+
+def put_in_place(marked: Marked, state: WrapState, reason: str, message: str) -> None:
+    """After wrapping a copy again: put its new hooks where the markers were, and note
+    where the model came from."""
+    handles = state.handles
     for hooks, order in marked:
-        _reorder(hooks, order, state.handles)
+        _reorder(hooks, order, handles)
     state.log.add(OOOEvent(EventKind.ENABLED, reason, message), level=logging.DEBUG)
 
 
-def _take_markers(model: nn.Module) -> list[tuple[Hooks, list[Any]]]:
+def _take_markers(model: nn.Module) -> Marked:
     """Remove every marker; return each dict that had one, with its keys in order (the
     markers themselves standing for the wrapper's hooks)."""
     marked = []

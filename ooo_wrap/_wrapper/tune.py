@@ -1,6 +1,6 @@
 """Measured tuning: time plain and planned training steps on the device; keep the faster.
 
-Once a plan is in force, a :class:`Tuner` adds two hooks to the model's root:
+Once a plan is in force, two hooks on the model's root run a :class:`Tuner`:
 
 1. A training step starts at a training forward: the first one after an optimizer step
    (``torch.optim``'s global step hook counts them), or every training forward in a loop
@@ -25,9 +25,10 @@ Once a plan is in force, a :class:`Tuner` adds two hooks to the model's root:
    last mark (the one sync of a tuning) and plain wins unless the plan is clearly faster.
    If too few steps could be timed (input shapes that keep changing), the plan is kept,
    unmeasured, and the event says so.
-5. The decision is applied in the root post-hook of a forward that returned, after the
-   scheduler's: the tuner's hooks are removed (nothing is left on the hot path), and with
-   plain the scheduler's too, as with ``no_parallelism``.
+5. The decision is made in the root post-hook of a forward that returned, after the
+   scheduler's, and applied there by the wrap state (``lifecycle.py``): the tuner's hooks
+   are removed (nothing is left on the hot path), and with plain the scheduler's too, as
+   with ``no_parallelism``. The statistics are in ``tuning.py``.
 6. One model tunes at a time in a process: a step of one model holds the work of every
    other model the loop runs, so while one tunes, the others run their plan and wait
    (a model that stops training for a while gives its turn away).
@@ -36,7 +37,6 @@ Once a plan is in force, a :class:`Tuner` adds two hooks to the model's root:
 from __future__ import annotations
 
 import logging
-import statistics
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -47,99 +47,22 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from .._events import EventKind, OOOEvent
-from .._runtime.backend import Mark, StepClock
+from .._events import EventKind, EventLog, OOOEvent
+from .._reasons import Reason
+from .._runtime.backend import Backend, Mark, StepClock
 from .._runtime.inflight import RootCall, thread_state
 from .._tensors import tensors_in
-from .handles import remove_part
+from .tuning import MAX_ROUNDS, Decision, Tuning, decide
 
 if TYPE_CHECKING:
     from .._runtime.scheduler import Scheduler
-    from .module import _WrapState
 
-__all__ = ["MIN_GAIN", "Decision", "Tuner", "Tuning", "decide"]
+__all__ = ["Tuner"]
 
-Decision = Literal["pending", "plan", "plain"]
 Arm = Literal["plan", "plain"]
-
-# The smallest gain worth side streams: below it, run-to-run noise on a busy host and the
-# risk of a worse step on another batch outweigh it.
-MIN_GAIN = 0.02
-# How many times tune_steps pairs may run while the evidence is unclear.
-MAX_ROUNDS = 3
 # Training forwards of other models after which a tuning model that ran none gives its
 # turn away (it was trained for a while, then kept but no longer trained).
 IDLE_FORWARDS = 8
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """What measured tuning found for one wrapped model (``model.tuning``).
-
-    Attributes:
-        decision: ``"pending"`` while measuring, ``"plan"`` if the plan was kept,
-            ``"plain"`` if the plain model was faster or not clearly slower.
-        plan_ms: the counted step times with the plan, in milliseconds, in order.
-        plain_ms: the counted step times of the plain model.
-        device: the name of the device the steps were timed on.
-    """
-
-    decision: Decision
-    plan_ms: tuple[float, ...]
-    plain_ms: tuple[float, ...]
-    device: str
-
-    @property
-    def plan_median_ms(self) -> float | None:
-        """The median planned step, or ``None`` before one was counted."""
-        return statistics.median(self.plan_ms) if self.plan_ms else None
-
-    @property
-    def plain_median_ms(self) -> float | None:
-        """The median plain step, or ``None`` before one was counted."""
-        return statistics.median(self.plain_ms) if self.plain_ms else None
-
-    @property
-    def speedup(self) -> float | None:
-        """Plain median over planned median (above 1: the plan is faster)."""
-        plan, plain = self.plan_median_ms, self.plain_median_ms
-        return plain / plan if plan and plain is not None else None
-
-    def __str__(self) -> str:
-        counts = f"{len(self.plan_ms)} planned and {len(self.plain_ms)} plain steps"
-        if self.decision == "pending":
-            return f"tuning on {self.device}: pending ({counts} measured so far)"
-        verdict = "plan kept" if self.decision == "plan" else "plain model kept"
-        if self.speedup is None:
-            return f"tuning on {self.device}: {verdict}, unmeasured ({counts}: too few)"
-        return (
-            f"tuning on {self.device}: {verdict}, {self.speedup:.2f}x: median step "
-            f"{self.plan_median_ms:.3f} ms planned vs {self.plain_median_ms:.3f} ms plain "
-            f"({counts}, measured)"
-        )
-
-
-def decide(
-    plan_ms: tuple[float, ...], plain_ms: tuple[float, ...], steps: int, *, final: bool
-) -> Decision:
-    """The decision for these step times; ``final`` when no more pairs may run."""
-    if not final and min(len(plan_ms), len(plain_ms)) < steps:
-        return "pending"
-    if len(plan_ms) < 2 or len(plain_ms) < 2:
-        return "plan"  # nothing measured against the plan: it stands, said unmeasured
-    plan, plain = statistics.median(plan_ms), statistics.median(plain_ms)
-    margin = max(MIN_GAIN, _spread(plan_ms), _spread(plain_ms))
-    if plan < plain * (1 - margin):
-        return "plan"
-    if final or plan > plain * (1 + margin):
-        return "plain"
-    return "pending"
-
-
-def _spread(times: tuple[float, ...]) -> float:
-    """Interquartile range over the median."""
-    quartiles = statistics.quantiles(times, n=4)
-    return (quartiles[2] - quartiles[0]) / quartiles[1] if quartiles[1] > 0 else float("inf")
 
 
 @dataclass
@@ -185,22 +108,25 @@ def _watch_optimizer_steps() -> None:
 
 
 class Tuner:
-    """The two root hooks that time plain and planned steps and apply the decision."""
+    """What the two root hooks of a tuning model do: time plain and planned steps, and say
+    when the decision is made (the wrap state registers the hooks, after the scheduler's,
+    and applies the decision)."""
 
     def __init__(
         self,
-        state: _WrapState,
         scheduler: Scheduler,
+        backend: Backend,
+        log: EventLog,
         device: torch.device,
         clock: StepClock,
         steps: int,
     ) -> None:
-        self._state = state
         self._scheduler = scheduler
+        self._backend = backend
+        self._log = log
         self._device = device
         self._clock = clock
         self._steps = steps
-        self._handles: list[RemovableHandle] = []
         self._closed: list[_Step] = []  # finished counted steps
         self._opened = 0  # training forwards seen, counted or not
         self._open: _Step | None = None
@@ -215,24 +141,16 @@ class Tuner:
         self._optimizer_steps_at_start = _optimizer_steps
         self._optimizer_steps_at_mark = _optimizer_steps
 
-    def install(self, model: nn.Module) -> None:
-        """Register the hooks after the scheduler's, so the root call is there to read."""
-        self._scheduler.layout_by_tuner = True
-        for handle in (
-            model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-            model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True),
-        ):
-            self._handles.append(handle)
-            self._state.handles.append(handle)
+        # The tuner's pre-hook releases the accumulators, once it has chosen the arm.
+        scheduler.layout_by_tuner = True
 
-    def remove(self) -> None:
-        """Remove the tuner's hooks (and their handles from the wrap state); give the turn."""
+    def close(self) -> None:
+        """Its hooks are gone: give the turn away and leave the scheduler as it found it."""
         global _turn
         if _turn is not None and _turn() is self:
             _turn = None
         self._scheduler.bypass_outside_forward = None
         self._scheduler.layout_by_tuner = False
-        remove_part(self._handles, self._state.handles)
 
     def record(self, decision: Decision = "pending") -> Tuning:
         """The tuning so far (step times read only from marks the device has passed)."""
@@ -242,7 +160,8 @@ class Tuner:
 
     # --- hooks ----------------------------------------------------------------------
 
-    def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """The root pre-hook (registered as is): choose the arm of this forward."""
         if torch.compiler.is_compiling():
             return
         calls = thread_state.calls
@@ -267,13 +186,13 @@ class Tuner:
                 self._open.arm = None
         if self._frames:  # called inside its own forward: part of the step in flight
             if self._frames[0].plain:
-                call.bypass = "tuning"  # 2. inline as the whole plain step is
+                call.bypass = Reason.TUNING  # 2. inline as the whole plain step is
             self._frames.append(_Frame(module, None, skipped=True))
             return
         training = torch.is_grad_enabled()
         if training and not self._my_turn():
             return  # 6. another model is tuning: this one runs its plan, untimed
-        backend = self._state.backend
+        backend = self._backend
         stream = backend.current_stream(self._device)
         if backend.is_capturing(stream):
             # 3. No timing event in a capture: the open step cannot be timed.
@@ -295,7 +214,7 @@ class Tuner:
                 step.arm = None
             plain = self._frames_plain
             if plain:
-                call.bypass = "tuning"
+                call.bypass = Reason.TUNING
             self._frames.append(_Frame(module, step, plain=plain))
             return
         # 1. This mark ends the open step and starts a new one.
@@ -309,36 +228,35 @@ class Tuner:
         arm = self._arm_for(call.bypass is None and self._same_shapes(args, kwargs))
         plain = arm == "plain"
         if plain:
-            call.bypass = "tuning"  # 2. every stage call of this forward runs inline
+            call.bypass = Reason.TUNING  # 2. every stage call of this forward runs inline
         # 2. ...and a checkpoint's recomputation in this step's backward too.
-        self._scheduler.bypass_outside_forward = "tuning" if plain else None
+        self._scheduler.bypass_outside_forward = Reason.TUNING if plain else None
         self._frames_plain = plain
         self._open = _Step(arm if arm in self._warmed else None, [mark])
         if arm is not None:
             self._warmed.add(arm)
         self._frames.append(_Frame(module, self._open, plain=plain))
 
-    def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def post_hook(self, module: nn.Module) -> Decision:
+        """The root post-hook: the decision, once made after a forward that returned (5.)."""
         if torch.compiler.is_compiling() or not self._frames:
-            return
+            return "pending"
         if self._frames[-1].module is not module:
-            return
+            return "pending"
         frame = self._frames.pop()
         if frame.skipped:
-            return
+            return "pending"
         if frame.step is None:
             if self._open is not None:  # else no step is open to cut it out of
-                stream = self._state.backend.current_stream(self._device)
+                stream = self._backend.current_stream(self._device)
                 self._open.marks.append(self._clock.mark(stream))
-            return
+            return "pending"
         if sys.exc_info()[1] is not frame.outer_exception:
             # 3. A forward that raised counts nothing; and nothing is decided while its
             # exception unwinds (torch then runs the hooks from the live dict).
             frame.step.arm = None
-            return
-        decision = self._decide()
-        if decision != "pending":
-            self._apply(module, decision)
+            return "pending"
+        return self._decide()
 
     def _continues(self, step: _Step) -> bool:
         """Whether a training forward now belongs to ``step``: no optimizer step ran since
@@ -398,63 +316,11 @@ class Tuner:
         pairs = zip(marks[0::2], marks[1::2], strict=True)
         return sum(self._clock.elapsed_ms(start, end) for start, end in pairs)
 
-    def _apply(self, module: nn.Module, decision: Decision) -> None:
-        """5. Remove the tuner's hooks; with plain, the scheduler's too."""
-        state = self._state
-        record = self.record(decision)
-        state.tuning, state.tuner = record, None
-        self.remove()
-        if record.speedup is None:
-            state.log.add(
-                OOOEvent(
-                    EventKind.TUNED,
-                    "unmeasured",
-                    f"too few steps could be timed on {record.device} ({len(record.plan_ms)} "
-                    f"planned, {len(record.plain_ms)} plain: input shapes kept changing, or "
-                    "forwards raised): the plan is kept, unmeasured; model.retune() "
-                    "measures again",
-                ),
-                level=logging.INFO,
-            )
-            return
-        figures = (
-            f"median step {record.plan_median_ms:.3f} ms with the plan vs "
-            f"{record.plain_median_ms:.3f} ms plain ({record.speedup:.2f}x, "
-            f"{len(record.plan_ms)} and {len(record.plain_ms)} steps measured on "
-            f"{record.device})"
-        )
-        if decision == "plan":
-            state.log.add(
-                OOOEvent(EventKind.TUNED, "kept", f"{figures}: the plan is kept"),
-                level=logging.INFO,
-            )
-            return
-        state.stop(
-            "measured_slower",
-            f"{figures}: the plan was not measurably faster than the plain model",
-        )
-
-    def stop_for_graphs(self) -> None:
-        """The forward replays a CUDA graph from now on (``make_graphed_callables``): its
-        steps are all the captured plan, so tuning stops undecided."""
-        state = self._state
-        state.tuning, state.tuner = self.record(), None
-        self.remove()
-        state.log.add(
-            OOOEvent(
-                EventKind.TUNED,
-                "not_finished",
-                "the forward replays a CUDA graph now, which holds the plan: tuning stopped "
-                "before it decided; tune with eager steps first, or wrap with tune=False",
-            ),
-            level=logging.INFO,
-        )
-
     def _report_capture(self) -> None:
         if self._capture_reported:
             return
         self._capture_reported = True
-        self._state.log.add(
+        self._log.add(
             OOOEvent(
                 EventKind.TUNED,
                 "not_finished",

@@ -162,9 +162,7 @@ def accelerator_available(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend a CUDA accelerator is there (the model itself stays on the CPU)."""
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
-    monkeypatch.setattr(
-        ooo_wrap._wrapper.module, "_warned_cpu_with_accelerator", False, raising=False
-    )
+    monkeypatch.setattr(ooo_wrap._wrapper.fallback, "_warned_cpu_with_accelerator", False)
 
 
 @pytest.mark.usefixtures("accelerator_available")
@@ -196,9 +194,7 @@ def test_wrapping_on_the_cpu_without_an_accelerator_stays_quiet(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
-    monkeypatch.setattr(
-        ooo_wrap._wrapper.module, "_warned_cpu_with_accelerator", False, raising=False
-    )
+    monkeypatch.setattr(ooo_wrap._wrapper.fallback, "_warned_cpu_with_accelerator", False)
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="ooo_wrap"):
         warnings.simplefilter("error")
         OOOModule(Towers(), planner="static")

@@ -16,7 +16,7 @@ from torch import nn
 import ooo_wrap
 from ooo_wrap import EventKind, OOOConfigError
 from ooo_wrap._runtime.inflight import thread_state
-from ooo_wrap._wrapper import module as _wrap
+from ooo_wrap._wrapper.lifecycle import WrapState
 from ooo_wrap._wrapper.module import _wrapped
 from ooo_wrap.testing import SimulatedBackend, VirtualStream
 from tests.support.models import make_two_towers, two_tower_input
@@ -247,7 +247,7 @@ def test_without_the_refusal_the_side_stream_stays_current(
     backend = SimulatedBackend()
     model = _routed(backend, "dataflow")
     model.router.actions.append(lambda: CALLS[name](model))
-    monkeypatch.setattr(_wrap, "_refuse_inside_forward", lambda *args: None)
+    monkeypatch.setattr(WrapState, "_refuse_inside_forward", lambda *args: None)
     try:
         model(two_tower_input())
         assert backend.current_stream() != DEFAULT

@@ -15,7 +15,7 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import EventKind, OOOConfigError
-from ooo_wrap._wrapper.tune import MAX_ROUNDS, decide
+from ooo_wrap._wrapper.tuning import MAX_ROUNDS, decide
 from ooo_wrap.testing import SimulatedBackend
 from ooo_wrap.testing._simulated import StreamCall
 from tests.support.distributed import REPO_ROOT
