@@ -137,13 +137,15 @@ def learn(
         for region in walk.regions
     )
     stage_calls = sum(stage.calls for stage in learned)
+    chain = _longest_chain(record)
     return LearnedPlan(
         stages=learned,
         regions=regions if outcome == "parallel" else (),
         edges=tuple(edges_between_stages(record, stream_of, walk.lanes)),
         max_streams=max_streams,
         outcome=outcome,
-        longest_chain=tuple(call.name for call in _longest_chain(record)),
+        longest_chain=tuple(call.name for call in chain),
+        chain_us=sum(call.device_us for call in chain),
         gpu=gpu.name,
         forward_us=record.device_us,
         plan_forward_us=plan_forward_us,

@@ -154,6 +154,7 @@ class LearnedPlan:
     estimate: StepEstimate | None = None
     rejected: tuple[RejectedRegion, ...] = ()
     unfit: str = ""  # with no region found: the best candidate group of branches, and why
+    chain_us: float = 0.0  # estimated forward device time of ``longest_chain``
 
     @property
     def stage_streams(self) -> dict[str, int]:
@@ -185,7 +186,8 @@ class LearnedPlan:
         why = why or (f"; {self.unfit}" if self.unfit else "")
         return (
             f"no parallel region worth a side stream (estimated on {self.gpu}){why}; "
-            f"longest chain: {format_chain(self.longest_chain)}"
+            f"longest chain: {format_chain(self.longest_chain)}, {self.chain_us:.1f} µs of "
+            f"the {self.forward_us:.1f} µs forward"
         )
 
     def count_edges(self, stage_streams: Mapping[str, int]) -> EdgeCount:
