@@ -20,7 +20,7 @@ IN_FEATURES, CLASSES = 64, 10
 class Towers(nn.Module):
     """``num_towers`` independent MLPs over the same input, summed: backward can overlap."""
 
-    def __init__(self, num_towers: int = 4, width: int = 256, depth: int = 3) -> None:
+    def __init__(self, num_towers: int = 4, width: int = 1024, depth: int = 3) -> None:
         super().__init__()
         self.towers = nn.ModuleList(
             nn.Sequential(
@@ -42,7 +42,7 @@ def build_model() -> nn.Module:
     return Towers()
 
 
-def example_input(batch: int = 32) -> torch.Tensor:
+def example_input(batch: int = 512) -> torch.Tensor:
     """One batch of inputs for :func:`build_model`'s model."""
     return torch.randn(batch, IN_FEATURES)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from unittest import mock
+
 import pytest
 import torch
 
@@ -18,3 +21,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def plan_by_rule() -> Iterator[None]:
+    """Keep every region the region rule finds (``BY_SIMULATION`` off): for tests of plan
+    structure and of stage mechanics on tiny CPU models, whose simulated step would not pay
+    for a side stream."""
+    from ooo_wrap._planner import dataflow
+
+    with mock.patch.object(dataflow, "BY_SIMULATION", False):
+        yield

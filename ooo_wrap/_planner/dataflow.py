@@ -17,7 +17,7 @@ no faster than one stream is not learned (``no_parallelism``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -32,9 +32,11 @@ from .learned_plan import (
     RejectedRegion,
     StageEdge,
     edges_between_stages,
+    stream_name,
 )
 from .observe import CallRecord, observe
 from .placement import (
+    RegionPlacement,
     RegionWalk,
     assign_named,
     assign_regions,
@@ -61,12 +63,10 @@ __all__ = [
 MIN_GAIN_FRACTION = 0.02
 MIN_GAIN_US = 1.0
 # Whether regions are kept only where the simulated step pays for them, where ``learn`` is
-# not told. Off: the simulator's occupancy model (concurrent kernels sharing the GPU) has
-# not been compared with a GPU yet, and as a gate it would turn most models plain on a
-# prediction; measured tuning decides on the device instead. Every region the region rule
-# finds is kept, and the plan's estimate (the same simulator check() reports with) says
-# what it is expected to cost.
-BY_SIMULATION = False
+# not told. On: a plan the estimate says is slower than one stream is never learned, so
+# the learned table and check() never print a speedup below 1.0x next to side streams.
+# Tests of plan structure on tiny CPU models turn it off (``by_simulation=False``).
+BY_SIMULATION = True
 
 
 def learn(
@@ -137,13 +137,15 @@ def learn(
         for region in walk.regions
     )
     stage_calls = sum(stage.calls for stage in learned)
+    chain = _longest_chain(record)
     return LearnedPlan(
         stages=learned,
         regions=regions if outcome == "parallel" else (),
         edges=tuple(edges_between_stages(record, stream_of, walk.lanes)),
         max_streams=max_streams,
         outcome=outcome,
-        longest_chain=tuple(call.name for call in _longest_chain(record)),
+        longest_chain=tuple(call.name for call in chain),
+        chain_us=sum(call.device_us for call in chain),
         gpu=gpu.name,
         forward_us=record.device_us,
         plan_forward_us=plan_forward_us,
@@ -193,45 +195,88 @@ def _decide(
 ) -> tuple[RegionWalk, dict[str, int], StepEstimate, tuple[RejectedRegion, ...], list[str]]:
     """Keep each region only where the simulated step pays for it (the module doc).
 
-    Regions are tried one at a time in the order found: the step is simulated without the
-    region and the region is dropped unless it saves what it must. A plan no faster than
-    one stream keeps no stage.
+    Regions are tried one at a time in the order found, each region's heaviest branch on
+    the caller's stream: the step is simulated without the region, and the region is
+    dropped unless it saves what it must. Then, in each region kept, the step is simulated
+    with its heaviest branch on a side stream too; it moves only if that is faster (else it
+    stays, one fork/join fewer). A plan no faster than one stream keeps no stage.
     """
-
-    def wrapped(ids: Mapping[int, int]) -> float:
-        return simulate(step_ops(record, ids, gpu)).length_us
-
     serial = simulate(step_ops(record, {}, gpu, one_stream=True)).length_us
-    vetoed: set[RegionKey] = set()
-    walk = assign_regions(record, streams, gpu)
-    wanted, ids, notes = _placed(record, walk)
-    best = wrapped(ids)
+
+    def trial(vetoed: frozenset[RegionKey], moved: frozenset[RegionKey]) -> _Trial:
+        walk = assign_regions(record, streams, gpu, vetoed, moved)
+        wanted, ids, notes = _placed(record, walk)
+        us = simulate(step_ops(record, ids, gpu)).length_us if ids else serial
+        return _Trial(walk, wanted, ids, notes, us)
+
+    vetoed: frozenset[RegionKey] = frozenset()
+    moved: frozenset[RegionKey] = frozenset()
+    best = trial(vetoed, moved)
+    placements: dict[RegionKey, tuple[float, float]] = {}  # step: heaviest on caller, on side
     tried: set[RegionKey] = set()
     rejected: list[RejectedRegion] = []
     while judge:
-        todo = [r for r in walk.regions if r.key not in tried]
+        todo = [r for r in best.walk.regions if r.key not in tried]
         if not todo:
             break
         region = todo[0]
         tried.add(region.key)
-        trial = assign_regions(record, streams, gpu, frozenset(vetoed | {region.key}))
-        trial_wanted, trial_ids, trial_notes = _placed(record, trial)
-        without = wrapped(trial_ids) if trial_ids else serial
+        without = trial(vetoed | {region.key}, moved)
         region_us = sum(b.device_us for b in region.branches) * (1 + BACKWARD_FACTOR)
         needed = max(MIN_GAIN_US, MIN_GAIN_FRACTION * region_us)
-        if without - best >= needed:
+        if without.us - best.us >= needed:
             continue
-        rejected.append(RejectedRegion(region, best, without, needed))
-        vetoed.add(region.key)
-        walk, wanted, ids, notes, best = trial, trial_wanted, trial_ids, trial_notes, without
-    if not wanted or (judge and best >= serial):
-        if wanted:
-            notes.append(
-                f"the plan's simulated step ({best:.1f} µs) is no faster than one stream "
-                f"({serial:.1f} µs): no stage kept"
-            )
-        wanted, best = {}, serial
-    return walk, wanted, StepEstimate(best, serial, gpu.name), tuple(rejected), notes
+        rejected.append(RejectedRegion(region, best.us, without.us, needed))
+        vetoed, best = vetoed | {region.key}, without
+    for key in [r.key for r in best.walk.regions] if judge else []:
+        side = trial(vetoed, moved | {key})
+        if side.ids == best.ids:  # its heaviest branch is not worth a stream of its own
+            continue
+        placements[key] = (best.us, side.us)
+        # Faster by more than a rounding of the estimate: else one fork/join fewer.
+        if side.us < best.us - MIN_GAIN_US:
+            moved, best = moved | {key}, side
+    walk, wanted, notes = best.walk, best.wanted, best.notes
+    walk.regions = [
+        _explain_heaviest(r, placements.get(r.key), r.key in moved, gpu) for r in walk.regions
+    ]
+    us = best.us if wanted else serial
+    if wanted and judge and us >= serial:
+        notes.append(
+            f"the plan's simulated step ({us:.1f} µs) is no faster than one stream "
+            f"({serial:.1f} µs): no stage kept"
+        )
+        wanted, us = {}, serial
+    return walk, wanted, StepEstimate(us, serial, gpu.name), tuple(rejected), notes
+
+
+@dataclass(frozen=True)
+class _Trial:
+    """One placement the planner simulated: the walk, its stages and the simulated step."""
+
+    walk: RegionWalk
+    wanted: dict[str, int]
+    ids: dict[int, int]
+    notes: list[str]
+    us: float
+
+
+def _explain_heaviest(
+    region: RegionPlacement, steps: tuple[float, float] | None, moved: bool, gpu: ReferenceGPU
+) -> RegionPlacement:
+    """Say in the heaviest branch's row where the simulation put it, with both steps."""
+    if steps is None:
+        return region
+    heaviest = max(range(len(region.branches)), key=lambda i: region.branches[i].device_us)
+    caller, side = steps
+    where = "moved to a side stream" if moved else "kept"
+    why = (
+        f"heaviest branch {where}: estimated step {side:.1f} µs with it on a side stream, "
+        f"{caller:.1f} µs on the caller's ({gpu.name})"
+    )
+    branches = list(region.branches)
+    branches[heaviest] = replace(branches[heaviest], why=why)
+    return replace(region, branches=tuple(branches))
 
 
 def learn_plan(
@@ -279,7 +324,7 @@ def _one_stream_per_module(
             chosen[call.name] = stage_stream[call.call_id]
             continue
         noted.add(call.name)
-        where = ", ".join("caller" if s is None else str(s) for s in sorted(seen, key=str))
+        where = ", ".join(stream_name(s) for s in sorted(seen, key=str))
         notes.append(f"{call.name} runs inline: its calls were placed on streams {where}")
     return chosen
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from .._plan import Plan, StageSource, StepEstimate, plural
 from .observe import CallRecord
-from .placement import Lane, RegionPlacement, stage_edges
+from .placement import BranchPlacement, Lane, RegionPlacement, stage_edges
 from .simulate import BACKWARD_FACTOR
 from .static import static_plan
 
@@ -31,6 +31,7 @@ __all__ = [
     "format_chain",
     "learned_of",
     "render",
+    "stream_name",
 ]
 
 Outcome = Literal["parallel", "no_parallelism", "named"]
@@ -86,12 +87,31 @@ class RejectedRegion:
 
     def __str__(self) -> str:
         branches = ", ".join(f"{b.device_us:.1f}" for b in self.region.branches)
+        return f"region {self.region.name} (branches {branches} µs forward) {self.effect}"
+
+    @property
+    def effect(self) -> str:
+        """What the region would do to the simulated step, and what it had to save."""
         saved = self.without_us - self.with_us
         effect = f"save {saved:.1f} µs of" if saved >= 0 else f"add {-saved:.1f} µs to"
         return (
-            f"region {self.region.name or '<root>'} (branches {branches} µs forward) would "
-            f"{effect} a {self.without_us:.1f} µs step; it must save {self.needed_us:.1f} µs"
+            f"would {effect} a {self.without_us:.1f} µs step; it must save {self.needed_us:.1f} µs"
         )
+
+    def why(self, branch: BranchPlacement) -> str:
+        """Why ``branch`` stays on the caller's stream, the region being rejected: what
+        bounds it (its launches, the GPU's share its kernels and the others' ask for), or
+        what the simulated step saved."""
+        if branch.device_us <= branch.launch_us:
+            return (
+                f"host-bound: {branch.device_us:.1f} µs of kernels, "
+                f"{branch.launch_us:.1f} µs to launch them"
+            )
+        share = sum(b.occupancy for b in self.region.branches)
+        if share >= 1.0:
+            return f"the GPU already full: the branches' kernels ask for {share:.2f} of it"
+        saved = self.without_us - self.with_us
+        return f"saves {saved:.1f} µs of the step, under the {self.needed_us:.1f} µs it must"
 
 
 @dataclass(frozen=True)
@@ -134,6 +154,7 @@ class LearnedPlan:
     estimate: StepEstimate | None = None
     rejected: tuple[RejectedRegion, ...] = ()
     unfit: str = ""  # with no region found: the best candidate group of branches, and why
+    chain_us: float = 0.0  # estimated forward device time of ``longest_chain``
 
     @property
     def stage_streams(self) -> dict[str, int]:
@@ -165,7 +186,8 @@ class LearnedPlan:
         why = why or (f"; {self.unfit}" if self.unfit else "")
         return (
             f"no parallel region worth a side stream (estimated on {self.gpu}){why}; "
-            f"longest chain: {format_chain(self.longest_chain)}"
+            f"longest chain: {format_chain(self.longest_chain)}, {self.chain_us:.1f} µs of "
+            f"the {self.forward_us:.1f} µs forward"
         )
 
     def count_edges(self, stage_streams: Mapping[str, int]) -> EdgeCount:
@@ -242,8 +264,14 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
+def stream_name(stream: int | None) -> str:
+    """``side1`` for side stream 0, ... (as ``Stage.stream_name``); ``caller`` for ``None``."""
+    return "caller" if stream is None else f"side{stream + 1}"
+
+
 def render(learned: LearnedPlan) -> str:
-    """Several lines: outcome, estimates (labelled), regions with their stages, edges."""
+    """Several lines: outcome, estimates (labelled), every candidate region with its
+    branches (their streams, or why they stay on the caller's), edges."""
     streams = len({stage.stream for stage in learned.stages})
     lines = [
         f"Learned plan ({learned.outcome}): {plural(len(learned.stages), 'stage')} in "
@@ -251,7 +279,7 @@ def render(learned: LearnedPlan) -> str:
         f"(max {learned.max_streams})"
     ]
     if learned.outcome == "no_parallelism":
-        lines.append(f"  nothing to overlap; longest chain: {format_chain(learned.longest_chain)}")
+        lines.append(f"  nothing to overlap: {learned.no_parallelism_message}")
     if learned.estimate is not None:
         lines.append(f"  {learned.estimate}")
         lines.append(
@@ -262,28 +290,44 @@ def render(learned: LearnedPlan) -> str:
         lines.append(
             f"  estimate on {learned.gpu}: forward {learned.forward_us:.1f} µs on one stream"
         )
-    for rejected in learned.rejected:
-        lines.append(f"  rejected: {rejected} (an estimate on {learned.gpu})")
+    if learned.regions or learned.rejected:
+        lines.append(f"  candidate regions (est. µs: forward estimates on {learned.gpu}):")
     stage_us = {stage.name: stage for stage in learned.stages}
     for region in learned.regions:
-        lines.append(f"  region {region.name or '<root>'} (width {region.width})")
+        lines.append(f"  region {region.name} (width {region.width}): kept")
         rows: list[tuple[str, ...]] = [("branch", "call", "stream", "est. µs", "stage calls")]
+        notes: list[str] = []
         for index, branch in enumerate(region.branches):
             for name, us in zip(branch.calls, branch.call_us, strict=True):
                 stage = stage_us.get(name)
                 if stage is not None:
                     rows.append(
-                        (str(index), name, str(stage.stream), f"{us:.1f}", str(stage.calls))
+                        (str(index), name, stream_name(stage.stream), f"{us:.1f}", str(stage.calls))
                     )
                     continue
                 inner = any(s.startswith(name + ".") for s in stage_us) if name else bool(stage_us)
                 where = "split" if inner and branch.stream is not None else "caller"
                 rows.append((str(index), f"({name})", where, f"{us:.1f}", "-"))
+            if branch.why:
+                notes.append(f"    branch {index}: {branch.why}")
+        lines += _table(rows) + notes
+    for rejected in learned.rejected:
+        region = rejected.region
+        lines.append(
+            f"  region {region.name} (width {region.width}): rejected, it {rejected.effect} "
+            f"(an estimate on {learned.gpu})"
+        )
+        rows = [("branch", "calls", "est. µs", "stays on the caller's stream because")]
+        for index, branch in enumerate(region.branches):
+            below = branch.why.startswith("below")  # the rule's reason, before any simulation
+            why = branch.why if below else rejected.why(branch)
+            rows.append((str(index), ", ".join(branch.calls), f"{branch.device_us:.1f}", why))
         lines += _table(rows)
     if learned.outcome == "named":
         named: list[tuple[str, ...]] = [("stage", "stream", "est. µs", "calls")]
         named += [
-            (s.name, str(s.stream), f"{s.device_us:.1f}", str(s.calls)) for s in learned.stages
+            (s.name, stream_name(s.stream), f"{s.device_us:.1f}", str(s.calls))
+            for s in learned.stages
         ]
         lines += _table(named)
     pairs = Counter(
@@ -293,7 +337,9 @@ def render(learned: LearnedPlan) -> str:
         lines.append("  dataflow edges between stages (per forward):")
         for (producer, consumer, a, b), count in pairs.items():
             times = f" x{count}" if count > 1 else ""
-            lines.append(f"    {producer} [{a}] -> {consumer} [{b}]{times}")
+            lines.append(
+                f"    {producer} [{stream_name(a)}] -> {consumer} [{stream_name(b)}]{times}"
+            )
     lines += [f"  note: {note}" for note in learned.notes]
     return "\n".join(lines)
 

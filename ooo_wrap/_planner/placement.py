@@ -4,13 +4,14 @@ Two assigners, both pure functions of an observed :class:`~ooo_wrap._planner.obs
 
 * :func:`assign_regions` walks the call tree from the root. Every call is decomposed into
   chains and branches (``_regions``); a group of branches that
-  :meth:`~ooo_wrap._planner.regions.RegionRule.choose` accepts is a region. Its heaviest branch
-  stays on the caller's stream, the others get distinct side streams while there are
-  free ones, and when there are more branches than streams, each next-heaviest branch
-  goes to the least-loaded stream (greedy LPT). Stages are the child calls of a branch on
-  a side stream, as :meth:`~ooo_wrap._planner.regions.RegionRule.side_stages` decides: every link
-  of a branch's chain gets that branch's stream, a link that a fork/join would outlast
-  runs inline, and a call with a region inside is split into its links (stages cannot
+  :meth:`~ooo_wrap._planner.regions.RegionRule.choose` accepts is a region. Its heaviest
+  branch stays on the caller's stream (unless the region is in ``moved``), the others get
+  distinct side streams while there are free ones, and when there are more branches than
+  streams, each next-heaviest branch goes to the least-loaded stream (greedy LPT). Stages
+  are the child calls of a branch on a side stream, as
+  :meth:`~ooo_wrap._planner.regions.RegionRule.side_stages` decides: every link of a
+  branch's chain gets that branch's stream, a link that a fork/join would outlast runs
+  inline, and a call with a region inside is split into its links (stages cannot
   nest) only if each of them is worth a stage, else it is one stage.
   Concurrent branches run at once, so the regions inside them get disjoint streams: the
   side streams no branch of the region runs on are shared out among the branches (those
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 from .cost import ReferenceGPU
 from .observe import CallRecord
-from .regions import Parallel, RegionKey, RegionRule, Series, region_key
+from .regions import Parallel, RegionChoice, RegionKey, RegionRule, Series, region_key
 
 __all__ = [
     "BranchPlacement",
@@ -51,11 +52,19 @@ Lane = tuple[int, int, int]  # (call_id of the region's call, region number, bra
 
 @dataclass(frozen=True)
 class BranchPlacement:
-    """One branch of a region: its child calls (module names), their estimated µs, its stream."""
+    """One branch of a region: its child calls (module names), their estimated µs, its stream.
+
+    ``why``: why it stays on the stream of the region's caller, for the learned table;
+    ``launch_us`` and ``occupancy``: its forward kernels' estimated launch time and
+    device-time-weighted share of the GPU, for the reason a simulation gives.
+    """
 
     calls: tuple[str, ...]
     call_us: tuple[float, ...]
     stream: int | None
+    why: str = ""
+    launch_us: float = 0.0
+    occupancy: float = 0.0
 
     @property
     def device_us(self) -> float:
@@ -88,6 +97,7 @@ class RegionWalk:
     streams: int
     gpu: ReferenceGPU
     vetoed: frozenset[RegionKey] = frozenset()
+    moved: frozenset[RegionKey] = frozenset()
     stage_stream: dict[int, int] = field(default_factory=dict)  # stage call_id -> stream
     lanes: dict[int, Lane | None] = field(default_factory=dict)  # call_id -> innermost branch
     regions: list[RegionPlacement] = field(default_factory=list)
@@ -96,7 +106,7 @@ class RegionWalk:
     _wants: dict[tuple[int, bool], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.rule = RegionRule(self.gpu, self.vetoed)
+        self.rule = RegionRule(self.gpu, self.vetoed, self.moved)
 
     def call(
         self,
@@ -176,11 +186,7 @@ class RegionWalk:
                 section=number,
                 width=self.rule.dag(call).width(),
                 branches=tuple(
-                    BranchPlacement(
-                        tuple(c.name for c in b.calls()),
-                        tuple(c.device_us for c in b.calls()),
-                        place[i],
-                    )
+                    self._branch(b, place[i], self._why(choice, i, b, place[i] == home))
                     for i, b in enumerate(branches)
                 ),
                 key=region_key(parallel),
@@ -202,6 +208,32 @@ class RegionWalk:
             spent = self._series(call, branch, target, inner_own, inner_busy, branch_lane, counter)
             times[target] = times.get(target, 0.0) + spent
         return max(times.values())
+
+    def _why(self, choice: RegionChoice, index: int, branch: Series, stays: bool) -> str:
+        """Why branch ``index`` stays on the caller's stream ("" if it leaves)."""
+        if not stays:
+            return ""
+        if index not in choice.leaving and index == choice.heaviest:
+            return "heaviest branch kept"
+        if index in choice.leaving:
+            return "no side stream free (the caller's was the least loaded)"
+        stages = [stage for call in branch.calls() for stage in self.rule.side_stages(call)]
+        return (
+            f"below its fork/join cost ({sum(s.device_us for s in stages):.1f} µs of stages, "
+            f"{len(stages) * self.gpu.fork_join_us:.1f} µs of fork/joins)"
+        )
+
+    def _branch(self, branch: Series, stream: int | None, why: str) -> BranchPlacement:
+        ops = [op for call in branch.calls() for op in call.ops() if op.device_us > 0]
+        device = sum(op.device_us for op in ops)
+        return BranchPlacement(
+            tuple(c.name for c in branch.calls()),
+            tuple(c.device_us for c in branch.calls()),
+            stream,
+            why,
+            len(ops) * self.gpu.launch_us,
+            sum(op.device_us * op.occupancy for op in ops) / device if device else 0.0,
+        )
 
     def _share(
         self, branches: tuple[Series, ...], place: list[int | None], own: tuple[int, ...]
@@ -242,7 +274,7 @@ class RegionWalk:
                     wanted = max(self._want(b, side) for b in part.branches)
                 else:  # the leaving branches run at once with the staying ones
                     staying = [b for i, b in enumerate(part.branches) if i not in choice.leaving]
-                    wanted = max(self._want(b, side) for b in staying) + sum(
+                    wanted = max((self._want(b, side) for b in staying), default=0) + sum(
                         1 + self._want(part.branches[i], True) for i in choice.leaving
                     )
             else:
@@ -260,10 +292,11 @@ def assign_regions(
     streams: int,
     gpu: ReferenceGPU,
     vetoed: frozenset[RegionKey] = frozenset(),
+    moved: frozenset[RegionKey] = frozenset(),
 ) -> RegionWalk:
     """Find every region under ``root`` (none of ``vetoed``) and give each stage call a
-    side stream."""
-    walk = RegionWalk(streams, gpu, vetoed)
+    side stream; the heaviest branch of a region in ``moved`` leaves the caller's too."""
+    walk = RegionWalk(streams, gpu, vetoed, moved)
     walk.forward_us = walk.call(root, None, tuple(range(streams)), {}, None)
     return walk
 

@@ -223,8 +223,9 @@ class RegionChoice:
 
     Attributes:
         heaviest: index of the branch with the largest estimated device time; it stays on
-            the caller's stream (one fork/join fewer).
-        leaving: indices of the other branches worth a side stream, heaviest first.
+            the caller's stream (one fork/join fewer) unless the planner's simulation
+            found the step faster with it on a side stream too.
+        leaving: indices of the branches worth a side stream, heaviest first.
     """
 
     heaviest: int
@@ -249,9 +250,15 @@ class RegionRule:
     stage cheaper than that.
     """
 
-    def __init__(self, gpu: ReferenceGPU, vetoed: frozenset[RegionKey] = frozenset()) -> None:
+    def __init__(
+        self,
+        gpu: ReferenceGPU,
+        vetoed: frozenset[RegionKey] = frozenset(),
+        moved: frozenset[RegionKey] = frozenset(),
+    ) -> None:
         self.gpu = gpu
         self.vetoed = vetoed  # regions the planner's simulation found not worth it
+        self.moved = moved  # regions whose heaviest branch the simulation moved off
         self._dags: dict[int, CallDag] = {}
         self._series: dict[int, Series] = {}
         self._region: dict[int, bool] = {}
@@ -308,11 +315,13 @@ class RegionRule:
         stages it would run as (:meth:`side_stages` of its calls, every link of a split
         call counted) is larger than what leaving costs the host, ``gpu.fork_join_us`` per
         stage; a cheaper branch would finish before the host is done forking and joining
-        it, so it could not overlap anything. The heaviest branch always stays on the
-        caller's stream. The group is a region when at least one other branch is worth
-        leaving. With the default :data:`ooo_wrap._planner.cost.H200` reference GPU,
-        ``fork_join_us`` is 10 µs (a typical eager figure, not a measurement), so every
-        stage of a leaving branch is estimated above 10 µs of device time.
+        it, so it could not overlap anything. The heaviest branch stays on the
+        caller's stream (unless its region is in ``moved``: the planner simulated both
+        placements and the step was faster with it on a side stream). The group is a
+        region when at least one other branch is worth leaving. With the default
+        :data:`ooo_wrap._planner.cost.H200` reference GPU, ``fork_join_us`` is 10 µs (a
+        typical eager figure, not a measurement), so every stage of a leaving branch is
+        estimated above 10 µs of device time.
 
         Returns:
             The :class:`RegionChoice`, or ``None`` when the branches stay on one stream.
@@ -324,14 +333,17 @@ class RegionRule:
         leaving = [
             i
             for i, branch in enumerate(parallel.branches)
-            if i != heaviest and self._worth_leaving(branch)
+            if i != heaviest and self.worth_leaving(branch)
         ]
         if not leaving:
             return None
+        if region_key(parallel) in self.moved and self.worth_leaving(parallel.branches[heaviest]):
+            leaving.append(heaviest)
         leaving.sort(key=lambda i: -costs[i])
         return RegionChoice(heaviest, tuple(leaving))
 
-    def _worth_leaving(self, branch: Series) -> bool:
+    def worth_leaving(self, branch: Series) -> bool:
+        """Whether ``branch``'s stages outlast their forks and joins (see :meth:`choose`)."""
         stages = [stage for call in branch.calls() for stage in self.side_stages(call)]
         moved = sum(stage.device_us for stage in stages)
         return bool(stages) and moved > self.gpu.fork_join_us * len(stages)

@@ -65,6 +65,7 @@ def test_a_captured_step_of_towers_runs_on_side_streams(overlap_forward: bool) -
 _FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_the_learned_plan_is_captured_after_an_eager_learning_step() -> None:
     with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
         report = check(om.TowersSum(), om.inputs(), capture=True, steps=3)

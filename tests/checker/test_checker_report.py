@@ -147,6 +147,7 @@ _FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
 
 
 @pytest.mark.parametrize("planner", ["static", "dataflow"])
+@pytest.mark.usefixtures("plan_by_rule")
 def test_sparse_gradients_are_compared(planner: Planner) -> None:
     with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
         report = check(SparseTowers(), torch.randint(0, 10, (3, 5)), planner=planner)
@@ -178,6 +179,7 @@ class Masked(nn.Module):
 
 
 @pytest.mark.parametrize("planner", ["static", "dataflow"])
+@pytest.mark.usefixtures("plan_by_rule")
 def test_check_takes_keyword_inputs(planner: Planner) -> None:
     x, mask = torch.randn(3, 6), torch.ones(3, 6, requires_grad=True)
     kwargs = {"mask": mask, "scale": 0.5}

@@ -22,7 +22,7 @@ def _direct_check(model: torch.nn.Module, *inputs: torch.Tensor) -> object:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["examples.quickstart:build_model", "--input", "32x64"],
+        ["examples.quickstart:build_model", "--input", "512x64"],
         ["examples.transformer:build_model", "--input", "8x32", "--dtype", "int64"],
         [
             "tests.support.cli_factories:TokensAndFeatures",
@@ -58,7 +58,7 @@ def test_a_finding_exits_1_and_prints_the_report() -> None:
 
 
 def test_capture_checks_the_last_step_under_simulated_graph_capture() -> None:
-    argv = ["check", "examples.quickstart:build_model", "--input", "32x64"]
+    argv = ["check", "examples.quickstart:build_model", "--input", "512x64"]
     for extra in ([], ["--planner", "static", "--steps", "1"]):
         result = run_cli(*argv, "--capture", *extra)
         assert (result.status, result.err) == (0, ""), result.out
@@ -88,7 +88,7 @@ def test_a_broken_capture_rule_is_a_finding_in_one_line() -> None:
 
 
 def test_overlap_forward_checks_deferred_joins() -> None:
-    argv = ["check", "examples.quickstart:build_model", "--input", "32x64"]
+    argv = ["check", "examples.quickstart:build_model", "--input", "512x64"]
     serial, deferred = run_cli(*argv), run_cli(*argv, "--overlap-forward")
     assert (serial.status, deferred.status, deferred.err) == (0, 0, ""), deferred.out
     assert serial.out.startswith("ooo_wrap check: OK (2 steps; 0 races")

@@ -92,6 +92,7 @@ def test_without_cuda_graphed_step_gives_the_eager_losses_bit_for_bit(
     assert model.stats.bypasses == 0
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_the_warm_up_learns_a_dataflow_plan_before_the_capture_would_start() -> None:
     free_fork = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
     with mock.patch.object(planner_api, "REFERENCE_GPU", free_fork):

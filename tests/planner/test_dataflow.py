@@ -20,6 +20,7 @@ from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import LearnedPlan, learn, learn_plan
 from ooo_wrap._planner.observe import observe
 from ooo_wrap._planner.placement import assign_named
+from ooo_wrap._planner.simulate import estimate_step
 from ooo_wrap.testing import check
 from tests.support import dataflow_models as models
 from tests.support.models import SHAPES, Shape
@@ -117,11 +118,13 @@ def test_chains_have_no_parallelism_and_name_their_longest_chain(
     assert "blocks.3" in learned.longest_chain
     if first is not None:
         assert learned.longest_chain[0] == first
-    assert "nothing to overlap; longest chain:" in str(learned)
+    assert "nothing to overlap: no parallel region worth a side stream" in str(learned)
+    assert "; longest chain:" in str(learned)
     assert f"longest chain: {learned.longest_chain[0]} -> " in learned.no_parallelism_message
     assert learned.to_plan(model).stages == ()
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     _, learned = learned_case("two_tower")
     streams = learned.stage_streams
@@ -203,6 +206,22 @@ def test_the_table_labels_estimates_with_the_reference_gpu(
     assert learned.fork_join_us == H200.fork_join_us * len(learned.stages)
 
 
+def test_the_table_names_streams_as_everywhere_and_says_why_a_branch_stays(
+    inception: tuple[nn.Module, LearnedPlan],
+) -> None:
+    _, learned = inception
+    text = str(learned)
+    assert f"candidate regions (est. µs: forward estimates on {H200.name})" in text
+    edges = text[text.index("dataflow edges") :].splitlines()[1:]
+    assert edges and all("[side" in line and "[0]" not in line for line in edges), edges
+    streams = {f"side{stage.stream + 1}" for stage in learned.stages}
+    assert all(f"  {name}  " in text for name in streams)
+    for region in learned.regions:  # every branch on the caller's stream says why
+        for branch in region.branches:
+            assert branch.stream is not None or branch.why, (region.name, branch)
+    assert "branch 0: heaviest branch kept" in text  # by the rule: no simulation asked
+
+
 def test_the_table_header_counts_in_the_singular_and_plural(
     inception: tuple[nn.Module, LearnedPlan],
 ) -> None:
@@ -228,6 +247,7 @@ class InceptionTowers(nn.Module):
         return sum((tower(x).mean((2, 3)) for tower in self.towers), torch.zeros(()))
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_a_region_inside_a_branch_avoids_the_streams_of_concurrent_branches() -> None:
     model = InceptionTowers().to("meta")
     x = torch.empty(32, 64, 56, 56, device="meta")
@@ -297,6 +317,7 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     assert len(side) == len(set(learned.stage_streams.values()))
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_branches_updating_shared_running_statistics_are_one_chain() -> None:
     """Batch norm in training writes its running statistics though its schema says it only
     reads them: two branches updating the same ones must not overlap."""
@@ -351,6 +372,7 @@ def towers_per_side_stream(streams: dict[str, int]) -> dict[int, set[str]]:
     return towers
 
 
+@pytest.mark.usefixtures("plan_by_rule")  # the towers' region kept: they run at once
 def test_clip_towers_share_no_side_stream_and_no_stage_costs_less_than_its_fork_join() -> None:
     # Regression: the image tower (on a side stream) was split into one stage per block link,
     # layer norms of 4 µs among them, and both towers' k_proj and v_proj shared two streams.
@@ -373,7 +395,42 @@ def test_clip_towers_share_no_side_stream_and_no_stage_costs_less_than_its_fork_
     assert all(len({b.stream for b in r.branches}) == 3 for r in text_regions)
 
 
+def _clip_plans() -> tuple[LearnedPlan, float]:
+    """The default learned plan of :class:`models.Clip`, and the static plan's simulated step."""
+    torch.manual_seed(0)
+    model = models.Clip().to("meta")
+    learned = learn_plan(model, models.clip_inputs(), streams=4)
+    static = {s.name: s.stream for s in ooo_wrap.plan(model, streams=4).stages}
+    ids = {c.call_id: static[c.name] for c in learned.record.calls() if c.name in static}
+    return learned, estimate_step(learned.record, ids, H200).wrapped_us
+
+
+def test_clip_towers_share_a_side_stream_only_when_they_run_one_after_the_other() -> None:
+    learned, _ = _clip_plans()
+    assert learned.estimate is not None and learned.stages
+    assert learned.estimate.speedup >= 1.0
+    towers = towers_per_side_stream(learned.stage_streams)
+    if "<root>" in {r.name for r in learned.regions}:  # the towers run at once
+        assert all(len(mine) == 1 for mine in towers.values()), towers
+    else:  # one after the other on the caller's stream: their inner regions take turns
+        assert [r.region.name for r in learned.rejected] == ["<root>"]
+        assert "rejected, it would add" in str(learned)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: by the simulator the static plan (6 stages, the towers' links on 4 "
+    "streams: 12904.8 µs) beats the learned one (the towers' q/k/v regions: 13057.6 µs); "
+    "the towers' region as the rule builds it (each tower one chain) does not pay",
+)
+def test_clip_learns_a_plan_no_worse_than_the_static_one_by_the_simulator() -> None:
+    learned, by_static = _clip_plans()
+    assert learned.estimate is not None
+    assert learned.estimate.wrapped_us <= by_static
+
+
 @pytest.mark.parametrize("streams", [2, 4, 8])
+@pytest.mark.usefixtures("plan_by_rule")
 def test_inner_regions_of_concurrent_towers_get_disjoint_streams(streams: int) -> None:
     """With a near-free fork every tower splits into its links: the q/k/v regions of the two
     towers run at once and must not queue on each other's streams."""

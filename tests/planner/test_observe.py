@@ -132,6 +132,7 @@ class Fork(nn.Module):
     ("fork_join_us", "leaving"),
     [(0.5, {"mid", "short"}), (1.5, {"mid"}), (5.0, set())],
 )
+@pytest.mark.usefixtures("plan_by_rule")
 def test_a_branch_leaves_only_if_it_outlasts_its_fork_and_join(
     fork_join_us: float, leaving: set[str]
 ) -> None:
@@ -174,6 +175,7 @@ class ForkWithIdentity(Fork):
         return self.long(x) + self.mid_b(self.nothing(self.mid_a(x))) + self.short(x)
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_a_link_that_launches_no_kernel_is_neither_a_stage_nor_counted_by_the_rule() -> None:
     record = observe(ForkWithIdentity(), (torch.randn(2, 4),), op_cost=one_us)
     # mid costs 2 µs over 2 kernel-launching calls: it leaves at 0.9 µs per fork, not at 1.1
@@ -261,6 +263,7 @@ class PricedFork(nn.Module):
         (3, {"side.pre", "side.a", "side.b", "side.post"}),  # every link pays: split
     ],
 )
+@pytest.mark.usefixtures("plan_by_rule")
 def test_a_branch_is_priced_as_the_stages_it_runs_as(ends: int, stages: set[str]) -> None:
     # Regression: side was priced as one stage call, then run as one stage per link,
     # pre and post (1 µs) among them; tail (1 µs) was a stage of its own too.

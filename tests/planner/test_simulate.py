@@ -13,8 +13,9 @@ from torch import nn
 import ooo_wrap
 from ooo_wrap._plan import StepEstimate
 from ooo_wrap._planner.cost import H200
-from ooo_wrap._planner.dataflow import learn_plan
-from ooo_wrap._planner.simulate import SimOp, simulate
+from ooo_wrap._planner.dataflow import MIN_GAIN_US, learn_plan
+from ooo_wrap._planner.placement import assign_regions
+from ooo_wrap._planner.simulate import SimOp, estimate_step, simulate
 from ooo_wrap.testing import check
 from tests.support import dataflow_models as models
 
@@ -84,7 +85,7 @@ class _TinyTowers(nn.Module):
 
 
 def test_a_tiny_host_bound_towers_model_learns_no_parallelism_and_says_why() -> None:
-    learned = learn_plan(_TinyTowers(), (torch.randn(8, 32),), by_simulation=True)
+    learned = learn_plan(_TinyTowers(), (torch.randn(8, 32),))  # the default decides
     assert learned.outcome == "no_parallelism" and not learned.stages
     message = learned.no_parallelism_message
     assert "best candidate: 4 branches" in message and "µs forward" in message, message
@@ -92,20 +93,93 @@ def test_a_tiny_host_bound_towers_model_learns_no_parallelism_and_says_why() -> 
 
 
 def test_a_residual_chain_learns_no_parallelism() -> None:
-    learned = learn_plan(models.ResidualChain(), (torch.randn(64, 512),), by_simulation=True)
+    learned = learn_plan(models.ResidualChain(), (torch.randn(64, 512),))
     assert learned.outcome == "no_parallelism"
-    assert "longest chain" in learned.no_parallelism_message
+    message = learned.no_parallelism_message
+    assert f"µs of the {learned.forward_us:.1f} µs forward" in message, message
+    assert learned.chain_us > 0.9 * learned.forward_us  # a chain: nearly all of it
 
 
 def test_no_learned_plan_is_slower_than_one_stream_by_the_simulation() -> None:
     model = models.Inception().to("meta")
     ruled = learn_plan(model, (models.inception_input(),), by_simulation=False)
-    judged = learn_plan(model, (models.inception_input(),), by_simulation=True)
+    judged = learn_plan(model, (models.inception_input(),))
     assert ruled.estimate is not None and judged.estimate is not None
     assert judged.estimate.wrapped_us <= judged.estimate.one_stream_us
     assert judged.estimate.wrapped_us <= ruled.estimate.wrapped_us + 1e-6
     if ruled.estimate.speedup < 1.0:  # the rule alone would lose: the simulation says so
         assert judged.rejected
+
+
+class _Towers(nn.Module):
+    """``towers`` MLPs of ``depth`` layers of ``width`` over one input, summed."""
+
+    def __init__(self, towers: int, dim: int, width: int, depth: int) -> None:
+        super().__init__()
+        self.towers = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(dim, width),
+                *(m for _ in range(depth - 1) for m in (nn.ReLU(), nn.Linear(width, width))),
+                nn.ReLU(),
+                nn.Linear(width, dim),
+            )
+            for _ in range(towers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t(x) for t in self.towers]).sum(0)
+
+
+def test_by_default_a_plan_the_simulator_says_loses_is_not_learned() -> None:
+    # The old quickstart's towers: each tower outlasts its fork/join, so the region rule
+    # keeps them, but the simulated step is slower with the side streams than without.
+    model, x = _Towers(4, 64, 256, 3), torch.randn(8, 64)
+    ruled = learn_plan(model, (x,), by_simulation=False)
+    assert ruled.stages and ruled.estimate is not None and ruled.estimate.speedup < 1.0
+    learned = learn_plan(model, (x,))
+    assert learned.outcome == "no_parallelism" and not learned.stages
+    assert learned.estimate is not None and learned.estimate.speedup == pytest.approx(1.0)
+    message = learned.no_parallelism_message
+    assert "best rejected: region <root>" in message and "µs step" in message, message
+    text = str(learned)  # every branch of the rejected region says why, in numbers
+    assert "region <root> (width 4): rejected, it would add" in text
+    assert text.count("host-bound: 17.4 µs of kernels, 35.0 µs to launch them") == 4, text
+    assert ooo_wrap.plan(model, example_inputs=(x,)).stages == ()
+
+
+@pytest.mark.parametrize(
+    ("towers", "dim", "width", "batch"),
+    [(4, 64, 256, 8), (2, 512, 2048, 1024), (3, 1024, 1024, 512), (2, 256, 1024, 512)],
+)
+def test_no_learned_plan_with_side_streams_is_slower_by_check(
+    towers: int, dim: int, width: int, batch: int
+) -> None:
+    model, x = _Towers(towers, dim, width, 2), torch.randn(batch, dim)
+    learned = learn_plan(model, (x,))
+    assert learned.estimate is not None and learned.estimate.speedup >= 1.0
+    if learned.stages:
+        report = check(model, x)
+        assert report.ok and report.estimate.speedup >= 1.0, report.estimate
+
+
+@pytest.mark.parametrize(("depth", "moves"), [(6, True), (3, False)])
+def test_the_heaviest_branch_leaves_the_callers_stream_only_where_the_simulation_says_so(
+    depth: int, moves: bool
+) -> None:
+    model, x = _Towers(4, 1024, 1024, depth).to("meta"), torch.empty(512, 1024, device="meta")
+    learned = learn_plan(model, (x,))
+    kept = assign_regions(learned.record, 4, H200)
+    (region,) = kept.regions
+    moved = assign_regions(learned.record, 4, H200, moved=frozenset({region.key}))
+    on_caller = estimate_step(learned.record, kept.stage_stream, H200).wrapped_us
+    on_side = estimate_step(learned.record, moved.stage_stream, H200).wrapped_us
+    assert (on_side < on_caller - MIN_GAIN_US) is moves, (on_side, on_caller)
+    assert learned.estimate is not None
+    assert learned.estimate.wrapped_us == pytest.approx(on_side if moves else on_caller)
+    assert len(learned.stages) == (4 if moves else 3)
+    (row,) = [b for b in learned.regions[0].branches if b.why.startswith("heaviest")]
+    assert ("moved to a side stream" if moves else "kept") in row.why
+    assert f"{on_side:.1f} µs with it on a side stream" in row.why and H200.name in row.why
 
 
 def test_plan_and_check_report_one_estimate_type() -> None:
@@ -120,20 +194,10 @@ def test_plan_and_check_report_one_estimate_type() -> None:
         assert f"an estimate on {H200.name}" in text
 
 
-class _TwoTowers(nn.Module):
-    def __init__(self, width: int = 64) -> None:
-        super().__init__()
-        self.a = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
-        self.b = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.a(x) + self.b(x)
-
-
 def test_the_plan_estimate_agrees_with_the_checkers_for_the_same_plan() -> None:
     torch.manual_seed(0)
-    model = _TwoTowers(256)
-    x = torch.randn(512, 256)
+    model = _Towers(3, 1024, 1024, 2)  # sized so that the simulated step keeps its streams
+    x = torch.randn(512, 1024)
     learned = learn_plan(model, (x,))
     assert learned.stages and learned.estimate is not None
     report = check(model, x)

@@ -72,6 +72,7 @@ def stream_of(the_plan: Plan, name: str) -> int | None:
     return next((s.stream for s in the_plan.stages if s.name == name), None)
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_the_plan_says_it_will_be_learned_then_shows_the_learned_table() -> None:
     model, inputs = build("two_tower")
     wrapped = OOOModule(model, backend=SimulatedBackend())
@@ -85,6 +86,7 @@ def test_the_plan_says_it_will_be_learned_then_shows_the_learned_table() -> None
     assert learned_event.reason == "learned" and "not a measurement" in learned_event.message
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_inception_gets_the_block_branches_on_distinct_streams_and_chains_on_one() -> None:
     _, the_plan = learned("inception")
     assert the_plan.stages and all(s.name.startswith("blocks.") for s in the_plan.stages)
@@ -128,6 +130,7 @@ def test_chains_learn_no_parallelism_and_then_make_no_backend_call(case: str) ->
     train_step(plain, inputs)
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_two_towers_run_on_different_streams_with_their_projections() -> None:
     _, the_plan = learned("two_tower")
     query, doc = stream_of(the_plan, "query_tower"), stream_of(the_plan, "doc_tower")
@@ -136,6 +139,7 @@ def test_two_towers_run_on_different_streams_with_their_projections() -> None:
         assert stream_of(the_plan, proj) in (stream_of(the_plan, tower), None)
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_moe_finds_the_shared_expert_against_the_routed_ones() -> None:
     _, the_plan = learned("moe")
     assert the_plan.learned is not None and the_plan.learned.regions
@@ -145,6 +149,7 @@ def test_moe_finds_the_shared_expert_against_the_routed_ones() -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.usefixtures("plan_by_rule")
 def test_check_learns_on_the_first_step_and_is_clean_with_bitwise_parity(case: str) -> None:
     model, inputs = build(case)
     report = check(model, *inputs, loss_fn=loss, steps=2)
@@ -192,6 +197,7 @@ def test_cross_stream_waits_per_step_learned_against_static(
         assert per_step["dataflow"] == 0
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_no_grad_and_disabled_forwards_do_not_learn() -> None:
     model, inputs = build("two_tower")
     wrapped = OOOModule(model, backend=SimulatedBackend())
@@ -204,6 +210,7 @@ def test_no_grad_and_disabled_forwards_do_not_learn() -> None:
     assert not wrapped.plan.pending and wrapped.plan.stages
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_a_forward_that_raises_while_observed_learns_on_the_next_one() -> None:
     model, inputs = build("two_tower")
     wrapped = OOOModule(model, backend=SimulatedBackend())
@@ -269,6 +276,7 @@ def test_replan_is_refused_for_the_static_planner() -> None:
         wrapped.replan()
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_plan_with_example_inputs_is_the_plan_the_wrapper_learns() -> None:
     model, inputs = build("inception")
     stats_before = copy.deepcopy(model.blocks[0].b1[1].running_mean)
@@ -317,6 +325,7 @@ def test_a_deep_copy_of_a_learned_model_learns_its_own_plan() -> None:
     assert clone.plan == wrapped.plan
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_check_with_one_step_says_nothing_was_checked() -> None:
     model, inputs = build("two_tower")
     report = check(model, *inputs, loss_fn=loss, steps=1)

@@ -42,6 +42,7 @@ def _in_flight() -> tuple[list[object], list[object]]:
     return list(local.frames), list(local.calls)
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_two_models_sharing_a_stage_module_leave_the_callers_stream() -> None:
     backend = SimulatedBackend()
     shared = nn.Linear(4, 4)
@@ -120,6 +121,7 @@ class _CallsRoot(nn.Module):
         return out
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_the_root_called_from_inside_one_of_its_stages() -> None:
     backend = SimulatedBackend(keep_all=True)
     model = Recursive()

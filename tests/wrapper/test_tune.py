@@ -618,6 +618,7 @@ def test_a_plain_step_recomputes_checkpointed_stages_inline() -> None:
     assert set(tuning.plain_ms) == {10.0}  # no recomputed stage forked in a plain step
 
 
+@pytest.mark.usefixtures("plan_by_rule")
 def test_retuning_leaves_no_old_scheduler_alive() -> None:
     import gc
 

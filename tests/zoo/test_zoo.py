@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ooo_wrap._planner import api as planner_api
+from ooo_wrap._planner import dataflow
 from ooo_wrap._wrapper.options import Planner
 from ooo_wrap.testing import CaptureError, CheckReport, check
 from tests.zoo import cnn
@@ -169,15 +170,20 @@ CASES = [pytest.param(case, id=case.name) for case in CNN_CASES + HF_CASES]
 
 
 # Structure only: at these tiny sizes no fork pays on a real GPU, and a model whose
-# learned plan is no_parallelism runs plain and checks nothing; with a near-free fork the
-# dataflow planner learns the parallel structure of the architecture, which is checked.
+# learned plan is no_parallelism runs plain and checks nothing; with a near-free fork and
+# every region the region rule finds kept (the simulated step of a tiny model pays for
+# none) the dataflow planner learns the parallel structure of the architecture, which is
+# checked.
 _FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
 
 
 def _run(case: Case, *, capture: bool = False) -> CheckReport:
     torch.manual_seed(0)
     model, inputs = case.build()
-    with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
+    with (
+        mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK),
+        mock.patch.object(dataflow, "BY_SIMULATION", False),
+    ):
         return check(
             model,
             *inputs,
