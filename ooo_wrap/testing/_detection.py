@@ -12,7 +12,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,11 +23,8 @@ from .._tensors import tensors_in
 from ._capture import SimulatedCapture
 from ._engine import AccumulatorMismatch, EngineModel
 from ._ops import HOST_SYNCS, TensorUse, host_sync, is_view_only, storage_key, tensor_uses
-from ._simulated import VirtualStream
+from ._simulated import SimulatedBackend, VirtualStream
 from ._tracker import Access, AllocatorHazard, Clock, OpRecord, Phase, Race, StreamTracker
-
-if TYPE_CHECKING:
-    from ._detect import DetectingBackend
 
 __all__ = ["Detection"]
 
@@ -43,7 +40,7 @@ class Detection:
         gpu: the reference GPU each op's device time is estimated on.
     """
 
-    def __init__(self, backend: DetectingBackend, gpu: ReferenceGPU = H200) -> None:
+    def __init__(self, backend: SimulatedBackend, gpu: ReferenceGPU = H200) -> None:
         self.backend = backend
         self.gpu = gpu
         self.tracker = StreamTracker(origin=backend._peek_stream())
