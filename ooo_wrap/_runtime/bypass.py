@@ -8,10 +8,11 @@ once as a ``BYPASSED`` event with the message below.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 import torch
+
+from .inflight import thread_state
 
 __all__ = ["BYPASS_MESSAGES", "disabled", "eager_bypass_reason"]
 
@@ -30,13 +31,6 @@ BYPASS_MESSAGES = {
 }
 
 
-class _Disabled(threading.local):
-    depth = 0
-
-
-_disabled = _Disabled()
-
-
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Run every wrapped model inline on the caller's stream, in this thread, for a while.
@@ -51,16 +45,17 @@ def disabled() -> Iterator[None]:
         >>> with ooo_wrap.disabled():
         ...     loss = model(x).sum()
     """
-    _disabled.depth += 1
+    local = thread_state
+    local.disabled += 1
     try:
         yield
     finally:
-        _disabled.depth -= 1
+        local.disabled -= 1
 
 
 def eager_bypass_reason() -> str | None:
     """Why stage calls starting now must run inline (``disabled()``, tracing), or ``None``."""
-    if _disabled.depth:
+    if thread_state.disabled:
         return "disabled"
     # Public API, but torch.jit does not re-export it in a way mypy sees as typed.
     if torch.jit.is_tracing():  # type: ignore[attr-defined,no-untyped-call]

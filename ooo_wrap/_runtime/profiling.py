@@ -1,8 +1,8 @@
 """Profiler ranges named after the stages: ``OOOModule(..., profile_ranges=True)``.
 
-A subclass of the scheduler rather than a flag inside it: the wrapper picks the class once
-at install time, so a model wrapped without ``profile_ranges`` runs the plain hooks and
-pays nothing for the option on the hot path.
+A subclass of the scheduler rather than a flag inside it: the class is picked once at
+install (``variants.py``), so a model wrapped without ``profile_ranges`` runs the plain
+hooks and pays nothing for the option on the hot path.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .inflight import StageRuntime
+from .inflight import StageRuntime, thread_state
 from .scheduler import Scheduler
 
 __all__ = ["ProfiledScheduler"]
@@ -34,7 +34,7 @@ class ProfiledScheduler(Scheduler):
     ) -> None:
         if torch.compiler.is_compiling():
             return  # the plain hook does nothing there: no frame, no range in a graph
-        frames = self._local.frames
+        frames = thread_state.frames
         depth = len(frames)
         super()._stage_pre_hook(stage, module, args, kwargs)
         if len(frames) == depth:
@@ -48,7 +48,7 @@ class ProfiledScheduler(Scheduler):
     ) -> None:
         if torch.compiler.is_compiling():
             return  # as the plain hook: nothing was opened
-        frames = self._local.frames
+        frames = thread_state.frames
         profile_range = None
         if frames and (frames[-1].stage is stage or frames[-1].stage is stage.twin):
             # Unset when opening the range raised in the pre-hook: nothing to close then.

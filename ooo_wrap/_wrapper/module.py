@@ -23,9 +23,9 @@ from .._planner.api import named_stages, plan
 from .._planner.cost import GPULike, as_reference_gpu
 from .._runtime.accumulators import Accumulators
 from .._runtime.backend import AcceleratorBackend, Backend, clock_of
-from .._runtime.profiling import ProfiledScheduler
 from .._runtime.recompute import install as install_recompute_ordering
 from .._runtime.scheduler import Scheduler, running
+from .._runtime.variants import scheduler_class
 from .._stats import Counters, OOOStats
 from .classswap import build_original, wrapped_class
 from .learn import Learner, finish, pending_plan
@@ -642,11 +642,12 @@ def start_scheduler(model: nn.Module, state: _WrapState, the_plan: Plan) -> None
     failure, remove the hooks it added and raise."""
     backend = state.backend
     streams = [backend.new_stream(the_plan.devices[0]) for _ in range(the_plan.num_streams)]
-    # Picked here, once: without profile_ranges the hooks carry no profiling code.
-    scheduler_class = ProfiledScheduler if state.options.profile_ranges else Scheduler
-    scheduler = scheduler_class(
-        the_plan, streams, backend, state.log, state.counters, state.options.overlap_forward
+    # Picked here, once: the hooks carry no code for the options that are off.
+    scheduler_type = scheduler_class(
+        overlap_forward=state.options.overlap_forward,
+        profile_ranges=state.options.profile_ranges,
     )
+    scheduler = scheduler_type(the_plan, streams, backend, state.log, state.counters)
     added: list[RemovableHandle] = []
     try:
         scheduler.install(model, added)

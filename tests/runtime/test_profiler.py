@@ -92,9 +92,9 @@ def test_no_ranges_when_off_and_the_plain_hooks_are_installed() -> None:
     assert _ooo_counts(_profiled(lambda: model(torch.randn(4, 8)))) == {}
     # Off means the base scheduler's own hooks, chosen at wrap time: no per-call check.
     hooks = list(model.towers[0]._forward_pre_hooks.values())
-    assert [hook.func.__func__ for hook in hooks] == [Scheduler._stage_pre_hook]
+    assert [hook.func for hook in hooks] == [Scheduler._stage_pre_hook]
     hooks = list(model.towers[0]._forward_hooks.values())
-    assert [hook.func.__func__ for hook in hooks] == [Scheduler._stage_post_hook]
+    assert [hook.func for hook in hooks] == [Scheduler._stage_post_hook]
 
 
 def test_range_is_closed_when_the_stage_raises() -> None:

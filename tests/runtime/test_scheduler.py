@@ -14,6 +14,7 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import EventKind, OOOStats
+from ooo_wrap._runtime import inflight
 from ooo_wrap._wrapper.classswap import _classes
 from ooo_wrap._wrapper.module import _wrapped
 from ooo_wrap.testing import SimulatedBackend, StreamCall, VirtualEvent, VirtualStream
@@ -46,9 +47,9 @@ def wrap(model: nn.Module, backend: SimulatedBackend, streams: int = 4) -> list[
 
 
 def thread_state(model: nn.Module) -> tuple[list[object], list[object]]:
-    """The calling thread's in-flight frames and calls of ``model``'s scheduler."""
-    local = _wrapped[model].scheduler._local
-    return local.frames, local.calls
+    """The calling thread's in-flight frames and calls (``model``'s scheduler's among them)."""
+    assert _wrapped[model].scheduler is not None
+    return inflight.thread_state.frames, inflight.thread_state.calls
 
 
 def events_of(model: nn.Module, kind: EventKind) -> list[ooo_wrap.OOOEvent]:
