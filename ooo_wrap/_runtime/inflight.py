@@ -12,7 +12,7 @@ import copy
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -32,9 +32,19 @@ __all__ = [
     "RootCall",
     "StageRuntime",
     "ThreadState",
+    "handled_exception",
     "pair_tied_stages",
     "thread_state",
 ]
+
+
+def _exc_info_value() -> BaseException | None:
+    return sys.exc_info()[1]
+
+
+# The exception being handled here, if any: ``sys.exception()`` (Python 3.11+) returns it
+# without building ``sys.exc_info()``'s tuple, a quarter of the cost, twice per stage call.
+handled_exception: Callable[[], BaseException | None] = getattr(sys, "exception", _exc_info_value)
 
 
 class Owner(Protocol):
@@ -110,7 +120,7 @@ class Frame:
         self.blind = blind  # the search missed some inputs
         # The exception being handled around the call, if any: the post-hook tells a
         # stage that raised from one called inside an ``except`` block by comparing.
-        self.outer_exception = sys.exc_info()[1]
+        self.outer_exception = handled_exception()
 
 
 class RootCall:

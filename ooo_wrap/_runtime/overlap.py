@@ -9,7 +9,6 @@ lettered steps of the protocol (``scheduler.py``; the mechanism is ``deferred.py
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from torch.compiler import is_compiling
 from . import deferred as _deferred
 from .backend import Event
 from .bypass import eager_bypass_reason
-from .inflight import Frame, StageRuntime, thread_state
+from .inflight import Frame, StageRuntime, handled_exception, thread_state
 from .scheduler import Scheduler
 
 __all__ = ["DeferredScheduler"]
@@ -86,7 +85,7 @@ class DeferredScheduler(Scheduler):
         if (
             local.calls
             and local.recomputing is None  # a recomputation's end event must follow it
-            and sys.exc_info()[1] is frame.outer_exception
+            and handled_exception() is frame.outer_exception
             and _deferred.defer(
                 len(local.frames),
                 frame.ambient,

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn, SupportsIndex
@@ -83,6 +82,7 @@ from .inflight import (
     Frame,
     RootCall,
     StageRuntime,
+    handled_exception,
     pair_tied_stages,
     thread_state,
 )
@@ -238,7 +238,7 @@ class Scheduler:
         if (
             len(call.called) < len(self._stages)
             and not call.ran_inline
-            and sys.exc_info()[1] is None
+            and handled_exception() is None
         ):
             self._report_not_called(module, call.called)
         used = call.used
@@ -315,7 +315,15 @@ class Scheduler:
         blind = bool(unseen)  # some input tensors may be missing from ``inputs``
         if blind:
             self._report_unseen(stage, unseen)
-        recorded = _record_stream(backend, inputs, device, stream)
+        # Inline here and in the post-hook (a helper call would cost a third of the loop).
+        recorded = 0
+        for tensor in inputs:
+            if tensor.device == device:  # other devices' allocators never see ``stream``
+                try:
+                    backend.record_stream(tensor, stream)
+                except RuntimeError:
+                    _record_storage(backend, tensor, stream)
+                recorded += 1
         # 1. s waits on everything queued on ambient so far.
         events = local.events.get(stage)
         if events is None:
@@ -356,14 +364,22 @@ class Scheduler:
                 blind = bool(unseen)
                 if blind:
                     self._report_unseen(stage, unseen)
-                recorded = _record_stream(backend, outputs, stage.device, ambient)
+                device = stage.device
+                recorded = 0
+                for tensor in outputs:
+                    if tensor.device == device:
+                        try:
+                            backend.record_stream(tensor, ambient)
+                        except RuntimeError:
+                            _record_storage(backend, tensor, ambient)
+                        recorded += 1
                 events = frame.events
                 events[1] = event = backend.record_event(stage.stream, events[1])
             finally:
                 backend.set_stream(ambient)
             self._join(frame, event, outputs, blind)
             self._counters.record_streams += recorded
-        error = sys.exc_info()[1]
+        error = handled_exception()
         # A checkpoint that stops recomputing early raises through the stage on purpose.
         if (
             error is not None
@@ -401,21 +417,11 @@ class Scheduler:
         self._events.add(reports.bypassed(reason, count), level=logging.INFO)
 
 
-def _record_stream(
-    backend: Backend, tensors: list[torch.Tensor], device: torch.device, stream: Stream
-) -> int:
-    """``record_stream(stream)`` on each of ``tensors`` on ``device``; returns how many."""
-    recorded = 0
-    for tensor in tensors:
-        if tensor.device == device:  # other devices' allocators never see ``stream``
-            try:
-                backend.record_stream(tensor, stream)
-            except RuntimeError:
-                # Under torch.func.vmap: no batching rule. Mark the memory under the
-                # wrapper instead (checked only on failure, so the common path pays nothing).
-                inner = storage_tensor(tensor)
-                if inner is None:
-                    raise
-                backend.record_stream(inner, stream)
-            recorded += 1
-    return recorded
+def _record_storage(backend: Backend, tensor: torch.Tensor, stream: Stream) -> None:
+    """``record_stream`` failed on ``tensor``: under ``torch.func.vmap`` there is no batching
+    rule, so mark the memory under the wrapper instead (looked for only on failure, so the
+    common path pays nothing)."""
+    inner = storage_tensor(tensor)
+    if inner is None:
+        raise
+    backend.record_stream(inner, stream)
