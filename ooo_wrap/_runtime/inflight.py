@@ -13,7 +13,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from .._stats import Counters
 from .backend import Backend, Event, Stream
 
 __all__ = [
-    "NO_EVENTS",
+    "NO_INPUTS",
     "Frame",
     "Owner",
     "Pending",
@@ -47,6 +47,9 @@ def _exc_info_value() -> BaseException | None:
 handled_exception: Callable[[], BaseException | None] = getattr(sys, "exception", _exc_info_value)
 
 
+NO_INPUTS: list[torch.Tensor] = []  # never appended to
+
+
 class Owner(Protocol):
     """What the records need of the scheduler that made them (``scheduler.Scheduler``)."""
 
@@ -61,6 +64,7 @@ class StageRuntime:
     __slots__ = (
         "device",
         "device_type",
+        "index",
         "module",
         "name",
         "owner",
@@ -69,9 +73,10 @@ class StageRuntime:
         "twin",
     )
 
-    def __init__(self, owner: Owner, stage: Stage, stream: Stream) -> None:
+    def __init__(self, owner: Owner, stage: Stage, stream: Stream, index: int) -> None:
         self.owner = owner
         self.name = stage.name
+        self.index = index  # its position in the plan's stages
         # The module that carries this stage's hooks (set by Scheduler.install), weakly:
         # after model surgery it may no longer be the model's, and must not be kept alive.
         self.module: weakref.ref[nn.Module] | None = None
@@ -85,42 +90,48 @@ class StageRuntime:
 
 
 class Frame:
-    """One stage call in flight on this thread; ``ambient is None`` when bypassed."""
+    """One stage call in flight on this thread; ``ambient is None`` when bypassed.
+
+    A forked call uses its stage's frame on this thread (``ThreadState.stage_frames``),
+    kept from call to call with the stage's fork and join events: creating an event costs
+    a driver call, and a frame an allocation, on every stage call. Each call sets what is
+    its own, and its post-hook clears what would keep the call's objects alive. Per
+    thread: each event record is followed at once by its wait, so within a thread a
+    re-record never moves a pending wait (a queued wait keeps the state it saw), but
+    another thread's could. ``busy`` while on the stack: a stage called again inside
+    itself gets a fresh frame.
+    """
 
     # ``profile_range`` is set and read only by ProfiledScheduler's hooks, and ``versions``
     # only by DeferredScheduler's, so plain frames never pay for them.
     __slots__ = (
         "ambient",
         "blind",
-        "events",
+        "busy",
+        "fork",
         "inputs",
+        "join",
         "module",
         "outer_exception",
         "profile_range",
         "stage",
         "versions",
     )
-    profile_range: torch.profiler.record_function
     versions: list[int]  # the inputs' version counters at the call (deferred joins)
 
-    def __init__(
-        self,
-        stage: StageRuntime,
-        module: nn.Module,
-        ambient: Stream | None,
-        events: list[Any],
-        inputs: list[torch.Tensor],
-        blind: bool,
-    ) -> None:
+    def __init__(self, stage: StageRuntime, module: nn.Module) -> None:
         self.stage = stage
         self.module = module
-        self.ambient = ambient
-        self.events = events  # the stage's [fork, join] events on this thread
-        self.inputs = inputs  # the input tensors found (deferred joins track their writes)
-        self.blind = blind  # the search missed some inputs
+        self.ambient: Stream | None = None  # the caller's stream, while forked
+        self.fork: Event | None = None
+        self.join: Event | None = None
+        self.inputs = NO_INPUTS  # the input tensors found (deferred joins track writes)
+        self.blind = False  # the search missed some inputs
         # The exception being handled around the call, if any: the post-hook tells a
         # stage that raised from one called inside an ``except`` block by comparing.
         self.outer_exception = handled_exception()
+        self.busy = False
+        self.profile_range: torch.profiler.record_function | None = None
 
 
 class RootCall:
@@ -137,7 +148,13 @@ class RootCall:
     )
 
     def __init__(
-        self, owner: Owner, module: nn.Module, bypass: str | None, first_pending: int
+        self,
+        owner: Owner,
+        module: nn.Module,
+        bypass: str | None,
+        first_pending: int,
+        stages: int,
+        streams: int,
     ) -> None:
         self.owner = owner
         self.module = module
@@ -145,8 +162,10 @@ class RootCall:
         # scheduler's _root_bypass), or None; a tuner may set it before any stage runs.
         self.bypass = bypass
         self.first_pending = first_pending  # joins pending before it: not its to end
-        self.used: set[int] = set()  # stream indexes of the stages it ran
-        self.called: set[StageRuntime] = set()  # the stages it ran on their streams
+        # By stage index, whether it ran on its stream; by stream index, whether a stage
+        # ran on it. Flags, not sets: a store per stage call, never a resize.
+        self.called = [False] * stages
+        self.used = [False] * streams
         self.ran_inline = False  # some stage call was bypassed (ran on the caller's stream)
 
 
@@ -178,12 +197,10 @@ class ThreadState(threading.local):
     def __init__(self) -> None:
         self.frames: list[Frame] = []  # stage calls in flight, innermost last
         self.calls: list[RootCall] = []  # root calls in flight, innermost last
-        # Each stage's [fork, join] events, and each scheduler's root events (one per
-        # side stream), made on first use and re-recorded on every call after (creating
-        # an event costs a driver call). Per thread: each record is followed at once by
-        # its wait, so within a thread a re-record never moves a pending wait (a queued
-        # wait keeps the state it saw), but another thread's could.
-        self.events: dict[object, list[Any]] = {}
+        # Each stage's frame, reused with its events (see Frame), and each scheduler's
+        # root events, one per side stream, reused the same way (step 5).
+        self.stage_frames: dict[StageRuntime, Frame] = {}
+        self.root_events: dict[object, list[Event | None]] = {}
         # Inside a checkpoint's unpack hook (it may recompute): the (backend, device) of
         # each stage call run there (recompute.py); None elsewhere.
         self.recomputing: list[tuple[Backend, torch.device]] | None = None
@@ -198,7 +215,6 @@ class ThreadState(threading.local):
 
 
 thread_state = ThreadState()
-NO_EVENTS: list[Any] = []
 
 
 def pair_tied_stages(model: nn.Module, stages: Sequence[StageRuntime]) -> bool:

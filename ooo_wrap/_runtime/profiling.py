@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.compiler import is_compiling
 
 from .inflight import StageRuntime, thread_state
 from .scheduler import Scheduler
@@ -32,7 +33,7 @@ class ProfiledScheduler(Scheduler):
     def _stage_pre_hook(
         self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any
     ) -> None:
-        if torch.compiler.is_compiling():
+        if is_compiling():
             return  # the plain hook does nothing there: no frame, no range in a graph
         frames = thread_state.frames
         depth = len(frames)
@@ -46,13 +47,14 @@ class ProfiledScheduler(Scheduler):
     def _stage_post_hook(
         self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
-        if torch.compiler.is_compiling():
+        if is_compiling():
             return  # as the plain hook: nothing was opened
         frames = thread_state.frames
         profile_range = None
         if frames and (frames[-1].stage is stage or frames[-1].stage is stage.twin):
-            # Unset when opening the range raised in the pre-hook: nothing to close then.
-            profile_range = getattr(frames[-1], "profile_range", None)
+            # None when opening the range raised in the pre-hook: nothing to close then.
+            # Taken off the frame, which the stage's next call reuses.
+            profile_range, frames[-1].profile_range = frames[-1].profile_range, None
         try:
             super()._stage_post_hook(stage, module, args, kwargs, output)
         finally:

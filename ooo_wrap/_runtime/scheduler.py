@@ -62,7 +62,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn, SupportsIndex
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.compiler import is_compiling
 from torch.utils.hooks import RemovableHandle
 
@@ -78,7 +78,7 @@ from .backend import Backend, Event, Stream
 from .bypass import eager_bypass_reason
 from .deferred import join_pending
 from .inflight import (
-    NO_EVENTS,
+    NO_INPUTS,
     Frame,
     RootCall,
     StageRuntime,
@@ -106,7 +106,10 @@ class Scheduler:
         self._backend = backend
         self._device = plan.stages[0].device
         self._streams = tuple(streams)
-        self._stages = tuple(StageRuntime(self, s, self._streams[s.stream]) for s in plan.stages)
+        self._stages = tuple(
+            StageRuntime(self, s, self._streams[s.stream], index)
+            for index, s in enumerate(plan.stages)
+        )
         self._events = events
         self._counters = counters
         self._unseen_reported: set[tuple[str, str]] = set()
@@ -158,15 +161,16 @@ class Scheduler:
         )
 
     def release(self) -> None:
-        """Forget this thread's reused events of the stages and the root (its hooks are
-        gone): they would keep the scheduler, its streams and its log alive for as long
-        as the thread."""
-        events = thread_state.events
-        events.pop(self, None)
+        """Forget this thread's reused frames and events of the stages and the root (its
+        hooks are gone): they would keep the scheduler, its streams and its log alive for
+        as long as the thread."""
+        local = thread_state
+        local.root_events.pop(self, None)
+        stage_frames = local.stage_frames
         for stage in self._stages:
-            events.pop(stage, None)
+            stage_frames.pop(stage, None)
             if stage.twin is not None:
-                events.pop(stage.twin, None)
+                stage_frames.pop(stage.twin, None)
 
     def sync_compiled_events(self) -> None:
         """Move bypass counts taken inside compiled code into the event log."""
@@ -215,7 +219,14 @@ class Scheduler:
         local = thread_state
         if local.frames or local.calls:
             drop_stale_calls(module)
-        call = RootCall(self, module, self._root_bypass(), len(local.pending))
+        call = RootCall(
+            self,
+            module,
+            self._root_bypass(),
+            len(local.pending),
+            len(self._stages),
+            len(self._streams),
+        )
         local.calls.append(call)
         accumulators = self.accumulators
         if accumulators is not None and call.bypass != "no_grad" and not self.layout_by_tuner:
@@ -235,25 +246,22 @@ class Scheduler:
         if self.accumulators is not None:
             self.accumulators.end(module)
         # Only after a forward that returned (and ran no stage inline) is a missing stage news.
-        if (
-            len(call.called) < len(self._stages)
-            and not call.ran_inline
-            and handled_exception() is None
-        ):
+        if not call.ran_inline and not all(call.called) and handled_exception() is None:
             self._report_not_called(module, call.called)
         used = call.used
-        if not used:
+        if True not in used:
             return
         backend = self._backend
         current = backend.current_stream(self._device)
-        events = local.events.get(self)
+        events = local.root_events.get(self)
         if events is None:
-            events = local.events[self] = [None] * len(self._streams)
-        for index in sorted(used):
-            # 5. The caller's stream waits on all the call's stage streams.
-            events[index] = event = backend.record_event(self._streams[index], events[index])
-            backend.wait_event(current, event)
-        self._counters.joins += len(used)
+            events = local.root_events[self] = [None] * len(self._streams)
+        for index, stream in enumerate(self._streams):
+            if used[index]:
+                # 5. The caller's stream waits on all the call's stage streams.
+                events[index] = event = backend.record_event(stream, events[index])
+                backend.wait_event(current, event)
+        self._counters.joins += used.count(True)
 
     # --- stage hooks: the hot path, once per stage call ------------------------------
 
@@ -289,12 +297,12 @@ class Scheduler:
                 join_pending(len(frames))
             self._counters.bypasses += 1
             self._bypass_event(reason)
-            frames.append(Frame(stage, module, None, NO_EVENTS, [], False))
+            frames.append(Frame(stage, module))
             if calls:
                 call.ran_inline = True
             return
         if calls:
-            call.called.add(stage)
+            call.called[stage.index] = True
         if (
             self._tied_weights
             and stage.twin is not None
@@ -306,15 +314,11 @@ class Scheduler:
         ambient = backend.current_stream(device)
         # 2. Inputs: s may read them in backward; keep their blocks from ambient's reuse.
         # Before step 1's event, which must cover it (see the module docstring).
-        unseen: list[str] = []
-        # A tuple's tensors are its items': searching a lone argument itself skips the
-        # tuple search, which costs several times the bare tensor's fast path.
-        inputs = tensors_in(args[0] if len(args) == 1 else args, unseen)
-        if kwargs:
-            inputs += tensors_in(kwargs, unseen)
-        blind = bool(unseen)  # some input tensors may be missing from ``inputs``
-        if blind:
-            self._report_unseen(stage, unseen)
+        arg = args[0] if len(args) == 1 else args  # a tuple's tensors are its items'
+        if isinstance(arg, Tensor) and not kwargs:
+            inputs, blind = [arg], False  # the common case, without a search
+        else:  # ``blind``: some input tensors may be missing from ``inputs``
+            inputs, blind = self._search(stage, arg, kwargs)
         # Inline here and in the post-hook (a helper call would cost a third of the loop).
         recorded = 0
         for tensor in inputs:
@@ -324,17 +328,24 @@ class Scheduler:
                 except RuntimeError:
                     _record_storage(backend, tensor, stream)
                 recorded += 1
+        frame = local.stage_frames.get(stage)
+        if frame is None:
+            frame = local.stage_frames[stage] = Frame(stage, module)
+        elif frame.busy:
+            frame = Frame(stage, module)  # the stage runs already, and calls itself
         # 1. s waits on everything queued on ambient so far.
-        events = local.events.get(stage)
-        if events is None:
-            events = local.events[stage] = [None, None]
-        events[0] = fork = backend.record_event(ambient, events[0])
+        frame.fork = fork = backend.record_event(ambient, frame.fork)
         backend.wait_event(stream, fork)
         # 3. Switch last, so a failure above leaves the caller's stream untouched.
         backend.set_stream(stream)
-        frames.append(Frame(stage, module, ambient, events, inputs, blind))
+        frame.ambient = ambient
+        frame.inputs = inputs
+        frame.blind = blind
+        frame.outer_exception = handled_exception()
+        frame.busy = True
+        frames.append(frame)
         if calls:
-            call.used.add(stage.stream_index)
+            call.used[stage.stream_index] = True
         counters = self._counters
         counters.stage_calls += 1
         counters.waits += 1
@@ -352,6 +363,7 @@ class Scheduler:
         if frame.stage is not stage and frame.stage is not stage.twin:
             return  # as above
         frames.pop()
+        frame.busy = False
         stage = frame.stage  # its twin, if it ran on a tied stage's stream
         ambient = frame.ambient
         if ambient is not None:
@@ -359,11 +371,10 @@ class Scheduler:
             try:
                 # 4. Outputs are read on ambient from now on; e then marks all the stage's
                 # work, record_stream included (see step 2 for why that order).
-                unseen: list[str] = []
-                outputs = tensors_in(output, unseen)
-                blind = bool(unseen)
-                if blind:
-                    self._report_unseen(stage, unseen)
+                if isinstance(output, Tensor):
+                    outputs, blind = [output], False
+                else:
+                    outputs, blind = self._search(stage, output, None)
                 device = stage.device
                 recorded = 0
                 for tensor in outputs:
@@ -373,17 +384,19 @@ class Scheduler:
                         except RuntimeError:
                             _record_storage(backend, tensor, ambient)
                         recorded += 1
-                events = frame.events
-                events[1] = event = backend.record_event(stage.stream, events[1])
+                frame.join = event = backend.record_event(stage.stream, frame.join)
             finally:
                 backend.set_stream(ambient)
             self._join(frame, event, outputs, blind)
             self._counters.record_streams += recorded
+        outer_exception = frame.outer_exception
+        frame.outer_exception = None  # the reused frame must not keep them alive
+        frame.inputs = NO_INPUTS
         error = handled_exception()
         # A checkpoint that stops recomputing early raises through the stage on purpose.
         if (
             error is not None
-            and error is not frame.outer_exception
+            and error is not outer_exception
             and not is_checkpoint_early_stop(error)
         ):
             self._counters.failures += 1
@@ -395,12 +408,24 @@ class Scheduler:
         self._backend.wait_event(frame.ambient, event)
         self._counters.joins += 1
 
+    def _search(
+        self, stage: StageRuntime, value: Any, kwargs: dict[str, Any] | None
+    ) -> tuple[list[torch.Tensor], bool]:
+        """The tensors in ``value`` and ``kwargs``, and whether the search missed some."""
+        unseen: list[str] = []
+        found = tensors_in(value, unseen)
+        if kwargs:
+            found += tensors_in(kwargs, unseen)
+        if unseen:
+            self._report_unseen(stage, unseen)
+        return found, bool(unseen)
+
     # --- reports ---------------------------------------------------------------------
 
-    def _report_not_called(self, root: nn.Module, called: set[StageRuntime]) -> None:
+    def _report_not_called(self, root: nn.Module, called: list[bool]) -> None:
         """Say once per stage that a forward finished without calling it."""
         for stage in self._stages:
-            if stage in called or stage.name in self._not_called_reported:
+            if called[stage.index] or stage.name in self._not_called_reported:
                 continue
             self._not_called_reported.add(stage.name)
             event = reports.not_called(root, stage, self.stage_name_of)

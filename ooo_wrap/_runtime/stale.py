@@ -17,7 +17,7 @@ from torch import nn
 
 from . import deferred as _deferred
 from . import reports
-from .inflight import Owner, thread_state
+from .inflight import NO_INPUTS, Owner, thread_state
 
 __all__ = ["drop_stale_calls", "running"]
 
@@ -44,6 +44,9 @@ def drop_stale_calls(root: nn.Module | None) -> None:
     owners.update((id(f.stage.owner), f.stage.owner) for f in stale_frames)
     del local.calls[len(local.calls) - len(stale_calls) :]
     del local.frames[len(local.frames) - len(stale_frames) :]
+    for frame in stale_frames:
+        frame.busy = False  # a stage's reused frame is free again
+        frame.outer_exception, frame.inputs = None, NO_INPUTS
     if outermost is not None:
         outermost.stage.owner._backend.set_stream(outermost.ambient)  # step 4's restore
     _deferred.join_pending(len(local.frames))  # what they left pending (step 4c)
