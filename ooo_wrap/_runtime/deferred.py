@@ -6,32 +6,33 @@ the stage's join event ``e`` at once, so stages run one after another in forward
 it, the wait is *pending* and is queued only when something could read the stage's
 results on the caller's stream:
 
-1b. The next stage call that receives a pending output (directly, through a container, or
-    as a view: pending outputs are tracked by storage), or an input a pending stage wrote
-    in place (its version counter moved), makes *its* stream ``s`` wait on the pending
-    event (:func:`wait_for_inputs`). The caller's stream stays unjoined, so independent
-    siblings overlap.
-4b. The post-hook leaves the wait on ``e`` pending (:func:`defer`), unless the stage raised,
-    runs outside any root call or in a checkpoint's recomputation, or the search missed
-    some of its tensors: then it is queued at once, as in step 4.
-4c. Any torch operation at the caller's level while a join is pending, host reads
-    (``.item()``, ``.cpu()``, ``print``) and ``.data_ptr()`` included: ``JoinOnTouch``, a
+1b. ``s`` also waits on the pending join of each stage whose outputs the call receives,
+    or that wrote into one of its inputs in place (:func:`wait_for_inputs`): pending
+    outputs are tracked by storage (received directly, through a container, or as a
+    view), written inputs by their version counters. The caller's stream stays unjoined,
+    so independent siblings overlap.
+4b. The wait on ``e`` is left pending (:func:`defer`): step 4 records ``e`` and restores
+    ``ambient`` but does not make it wait yet (it waits at once, as in step 4, if the
+    stage raised, runs outside any root call or in a recomputation, or its tensors could
+    not all be found).
+4c. The first torch operation at the caller's level while a join is pending queues it
+    first; so does a stage call that runs inline there. Host reads (``.item()``,
+    ``.cpu()``, ``print``) and ``.data_ptr()`` count: ``JoinOnTouch``, a
     ``TorchFunctionMode``, joins everything pending at that level first
     (:func:`join_from`). It is on the mode stack only while a join is pending at the
     current level; a stage's pre-hook takes it off, so a stage's own ops never pass
     through it. It goes under the modes already on the stack, never on top of one, so a
     user's ``with SomeMode():`` around a stage call pops its own mode when it ends; and
     whether it is on the stack is read from the stack each time, so code that popped it
-    cannot leave it off for good. A stage call that runs inline (one level down, where
-    the mode does not look) joins what is pending first, as a touch would
-    (:func:`join_pending`).
-5b. The root's post-hook drops its own pending joins (step 5's per-stream waits cover
-    them: each event was recorded earlier on one of those streams) and joins any other
-    model's (:func:`finish`). A stage called inside another stage's forward leaves its
-    join pending at that inner level; it is completed by whatever touches its output
-    later, at any level (4c makes the stream the touching operation runs on wait too),
-    so the outer stage's end needs no join of its own. An exception leaving the forward
-    reaches the root's post-hook too, which joins everything.
+    cannot leave it off for good. A stage call that runs inline runs one level down,
+    where the mode does not look: its pre-hook joins first (:func:`join_pending`).
+5b. Root post-hook, before step 5: the call's own pending joins are dropped (step 5's
+    waits cover them: each event was recorded earlier on one of those streams), and any
+    other model's are queued (:func:`finish`). A stage called inside another stage's
+    forward leaves its join pending at that inner level; it is completed by whatever
+    touches its output later, at any level (4c makes the stream the touching operation
+    runs on wait too), so the outer stage's end needs no join of its own. An exception
+    leaving the forward reaches the root's post-hook too, which joins everything.
 
 Memory: each stage output is still ``record_stream``\\ ed to the caller's stream at the
 stage's return, and each input to the stage's stream at its call (steps 4 and 2), so the

@@ -170,7 +170,7 @@ class RootCall:
 
 
 class Pending:
-    """A stage call whose caller's stream has not yet waited on its join event (step 4a
+    """A stage call whose caller's stream has not yet waited on its join event (step 4b
     of the protocol, ``deferred.py``). The backend, counters and device are the stage's."""
 
     __slots__ = ("ambient", "done", "event", "level", "stage")

@@ -58,9 +58,11 @@ class DeferredScheduler(Scheduler):
             super()._stage_pre_hook(stage, module, args, kwargs)
             if len(frames) > depth and frames[-1].ambient is not None:  # it forked
                 frame = frames[-1]
-                # Before the stage runs: what it writes in place is pending with it (4b).
+                # Before the stage runs: an input it writes in place is left pending with
+                # its outputs (4b), for the next stage call that receives it (1b).
                 frame.versions = _deferred.versions(frame.inputs)
-                # 1b. ...and on the pending join of each stage whose output it receives.
+                # 1b. s also waits on the pending join of each stage whose outputs the
+                # call receives, or that wrote into one of its inputs in place.
                 self._counters.waits += _deferred.wait_for_inputs(
                     frame.stage.stream, self._backend, frame.inputs, frame.blind
                 )
