@@ -8,24 +8,17 @@ once as a ``BYPASSED`` event with the message below.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 import torch
 
 from .._reasons import MESSAGES, Reason
+from .inflight import thread_state
 
 __all__ = ["BYPASS_MESSAGES", "disabled", "eager_bypass_reason"]
 
 # The one table of reason messages (_reasons.py), under the name the scheduler reads.
 BYPASS_MESSAGES = MESSAGES
-
-
-class _Disabled(threading.local):
-    depth = 0
-
-
-_disabled = _Disabled()
 
 
 @contextlib.contextmanager
@@ -42,16 +35,17 @@ def disabled() -> Iterator[None]:
         >>> with ooo_wrap.disabled():
         ...     loss = model(x).sum()
     """
-    _disabled.depth += 1
+    local = thread_state
+    local.disabled += 1
     try:
         yield
     finally:
-        _disabled.depth -= 1
+        local.disabled -= 1
 
 
 def eager_bypass_reason() -> str | None:
     """Why stage calls starting now must run inline (``disabled()``, tracing), or ``None``."""
-    if _disabled.depth:
+    if thread_state.disabled:
         return Reason.DISABLED
     # Public API, but torch.jit does not re-export it in a way mypy sees as typed.
     if torch.jit.is_tracing():  # type: ignore[attr-defined,no-untyped-call]

@@ -1,32 +1,42 @@
 """Deferred joins for ``OOOModule(..., overlap_forward=True)``: join a stage on first touch.
 
-Without it, a stage's post-hook makes the caller's stream wait on the stage's join event
-at once, so stages run one after another in forward. With it, the wait is *pending* and
-is queued only when something could read the stage's results on the caller's stream:
+The mechanism behind the lettered steps of the protocol (``scheduler.py``), which
+``overlap.DeferredScheduler`` runs. Without it, step 4 makes the caller's stream wait on
+the stage's join event ``e`` at once, so stages run one after another in forward. With
+it, the wait is *pending* and is queued only when something could read the stage's
+results on the caller's stream:
 
-1. The next stage call that receives a pending output (directly, through a container, or
-   as a view: pending outputs are tracked by storage), or an input a pending stage wrote
-   in place (its version counter moved), makes *its* stream wait on the pending event.
-   The caller's stream stays unjoined, so independent siblings overlap.
-2. Any torch operation at the caller's level while a join is pending, host reads
-   (``.item()``, ``.cpu()``, ``print``) and ``.data_ptr()`` included: ``JoinOnTouch``, a
-   ``TorchFunctionMode``, joins everything pending at that level first. It is on the mode
-   stack only while a join is pending at the current level; a stage's pre-hook takes it
-   off, so a stage's own ops never pass through it. It goes under the modes already on
-   the stack, never on top of one, so a user's ``with SomeMode():`` around a stage call
-   pops its own mode when it ends; and whether it is on the stack is read from the stack
-   each time, so code that popped it cannot leave it off for good.
-3. The root's post-hook joins everything (its per-stream waits cover the pending
-   events: each was recorded earlier on one of those streams). A stage called inside
-   another stage's forward leaves its join pending at that inner level; it is completed
-   by whatever touches its output later, at any level (2. makes the stream the touching
-   operation runs on wait too), so the outer stage's end needs no join of its own.
-4. A stage that raises is joined at once; an exception elsewhere reaches the root's
-   post-hook, which joins everything.
+1b. ``s`` also waits on the pending join of each stage whose outputs the call receives,
+    or that wrote into one of its inputs in place (:func:`wait_for_inputs`): pending
+    outputs are tracked by storage (received directly, through a container, or as a
+    view), written inputs by their version counters. The caller's stream stays unjoined,
+    so independent siblings overlap.
+4b. The wait on ``e`` is left pending (:func:`defer`): step 4 records ``e`` and restores
+    ``ambient`` but does not make it wait yet (it waits at once, as in step 4, if the
+    stage raised, runs outside any root call or in a recomputation, or its tensors could
+    not all be found).
+4c. The first torch operation at the caller's level while a join is pending queues it
+    first; so does a stage call that runs inline there. Host reads (``.item()``,
+    ``.cpu()``, ``print``) and ``.data_ptr()`` count: ``JoinOnTouch``, a
+    ``TorchFunctionMode``, joins everything pending at that level first
+    (:func:`join_from`). It is on the mode stack only while a join is pending at the
+    current level; a stage's pre-hook takes it off, so a stage's own ops never pass
+    through it. It goes under the modes already on the stack, never on top of one, so a
+    user's ``with SomeMode():`` around a stage call pops its own mode when it ends; and
+    whether it is on the stack is read from the stack each time, so code that popped it
+    cannot leave it off for good. A stage call that runs inline runs one level down,
+    where the mode does not look: its pre-hook joins first (:func:`join_pending`).
+5b. Root post-hook, before step 5: the call's own pending joins are dropped (step 5's
+    waits cover them: each event was recorded earlier on one of those streams), and any
+    other model's are queued (:func:`finish`). A stage called inside another stage's
+    forward leaves its join pending at that inner level; it is completed by whatever
+    touches its output later, at any level (4c makes the stream the touching operation
+    runs on wait too), so the outer stage's end needs no join of its own. An exception
+    leaving the forward reaches the root's post-hook too, which joins everything.
 
 Memory: each stage output is still ``record_stream``\\ ed to the caller's stream at the
-stage's return, and each input to the stage's stream at its call, so the allocator keeps
-a block until every stream that may use it is done, pending or not.
+stage's return, and each input to the stage's stream at its call (steps 4 and 2), so the
+allocator keeps a block until every stream that may use it is done, pending or not.
 
 A stage's inputs or outputs the search cannot see into (``_tensors.tensors_in``: objects
 nested too deep, objects without attributes) cannot be tracked by storage: the stage then
@@ -52,7 +62,6 @@ deeper, which includes every inner stage whose output it can reach.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -72,12 +81,11 @@ from torch._C import (
 from torch.overrides import TorchFunctionMode
 
 from .._compat import storage_id
-from .._stats import Counters
 from .backend import Backend, Event, Stream
+from .inflight import Pending, StageRuntime, thread_state
 
 __all__ = [
     "JoinOnTouch",
-    "Pending",
     "defer",
     "finish",
     "join_from",
@@ -91,52 +99,8 @@ __all__ = [
 ]
 
 
-class Pending:
-    """One stage call whose caller's stream has not yet waited on its join event."""
-
-    __slots__ = ("ambient", "backend", "counters", "device", "done", "event", "level", "owner")
-
-    def __init__(
-        self,
-        level: int,
-        ambient: Stream,
-        event: Event,
-        backend: Backend,
-        counters: Counters,
-        owner: object,
-        device: torch.device,
-    ) -> None:
-        self.level = level
-        self.device = device
-        self.ambient = ambient
-        self.event = event
-        self.backend = backend
-        self.counters = counters
-        self.owner = owner
-        self.done = False
-
-
-class _State(threading.local):
-    """Per thread: the pending joins, their outputs' storages, and the mode."""
-
-    def __init__(self) -> None:
-        self.pending: list[Pending] = []
-        self.by_storage: dict[int, list[Pending]] = {}
-        # Made once per thread. Whether it is on the stack is read from the stack itself:
-        # other code may have popped it, or pushed back a saved stack holding it.
-        self.mode: JoinOnTouch | None = None
-        self.quiet = 0  # >0 inside a scheduler hook whose own tensor reads must not join
-
-
-_state = _State()
-
-
 class JoinOnTouch(TorchFunctionMode):
-    """Joins every join pending at the current level before any torch operation there."""
-
-    def __init__(self, level: Callable[[], int]) -> None:
-        super().__init__()
-        self._level = level
+    """4c. Joins every join pending at the current level before any torch operation there."""
 
     def __torch_function__(
         self,
@@ -145,10 +109,10 @@ class JoinOnTouch(TorchFunctionMode):
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        state = _state
-        pending = state.pending
-        if pending and not state.quiet:
-            level = self._level()
+        local = thread_state
+        pending = local.pending
+        if pending and not local.quiet:
+            level = len(local.frames)
             if pending[-1].level >= level:
                 join_from(level, touched=True)
         return func(*args, **(kwargs or {}))
@@ -190,22 +154,20 @@ def defer(
     level: int,
     ambient: Stream,
     event: Event,
-    backend: Backend,
-    counters: Counters,
-    owner: object,
-    device: torch.device,
+    stage: StageRuntime,
     outputs: list[torch.Tensor],
     blind: bool = False,
 ) -> bool:
-    """Leave the caller's wait on ``event`` pending; ``False`` if it must be joined now:
-    also when ``blind`` (the search missed some of the stage's outputs or inputs, whose
-    storages then cannot be tracked)."""
+    """4b. Leave the caller's wait on ``event`` (``stage``'s, recorded on its stream)
+    pending; ``False`` if it must be joined now: also when ``blind`` (the search missed
+    some of the stage's outputs or inputs, whose storages then cannot be tracked)."""
     keys = None if blind else _keys(outputs)
     if keys is None:
         return False
-    entry = Pending(level, ambient, event, backend, counters, owner, device)
-    _state.pending.append(entry)
-    by_storage = _state.by_storage
+    entry = Pending(level, ambient, event, stage)
+    local = thread_state
+    local.pending.append(entry)
+    by_storage = local.by_storage
     for key in keys:
         by_storage.setdefault(key, []).append(entry)
     return True
@@ -214,15 +176,16 @@ def defer(
 def wait_for_inputs(
     stream: Stream, backend: Backend, inputs: list[torch.Tensor], blind: bool = False
 ) -> int:
-    """Make ``stream`` wait on the pending join of every stage whose output (or a view of
-    it) is among ``inputs`` (on every pending join when ``blind``: the search missed some
-    inputs); returns how many waits were queued."""
-    by_storage = _state.by_storage
+    """1b. Make ``stream`` wait on the pending join of every stage whose output (or a view
+    of it) is among ``inputs`` (on every pending join when ``blind``: the search missed
+    some inputs); returns how many waits were queued."""
+    local = thread_state
+    by_storage = local.by_storage
     if not by_storage:
         return 0
     keys = None if blind else _keys(inputs)
     if keys is None:  # cannot tell which: wait on them all
-        found = [p for p in _state.pending if not p.done]
+        found = [p for p in local.pending if not p.done]
     else:
         found = []
         for key in keys:
@@ -235,29 +198,31 @@ def wait_for_inputs(
 
 
 def join_from(level: int, *, touched: bool = False) -> None:
-    """Queue the caller's wait for every join pending at ``level`` or deeper.
+    """4c. Queue the caller's wait for every join pending at ``level`` or deeper.
 
     ``touched``: an operation is about to run at the caller's level. The parent may have
     switched streams itself since the stage returned (``with torch.cuda.stream(own)``,
     after ``own.wait_stream(caller)``, which ordered nothing pending), so the stream the
     operation runs on waits too when it is not the caller's.
     """
-    pending = _state.pending
+    local = thread_state
+    pending = local.pending
     while pending and pending[-1].level >= level:
         entry = pending.pop()
         entry.done = True
-        backend = entry.backend
+        owner = entry.stage.owner
+        backend = owner._backend
         backend.wait_event(entry.ambient, entry.event)
-        entry.counters.joins += 1
+        owner._counters.joins += 1
         if touched:
-            current = backend.current_stream(entry.device)
+            current = backend.current_stream(entry.stage.device)
             if current != entry.ambient:
                 backend.wait_event(current, entry.event)
     if not pending:
-        _state.by_storage.clear()
+        local.by_storage.clear()
 
 
-def join_pending(level: int, depth_of: Callable[[], int]) -> None:
+def join_pending(level: int) -> None:
     """:func:`join_from` for a scheduler hook's own use: queue the caller's wait for
     everything pending at ``level`` or deeper, with the mode kept quiet meanwhile (as
     before a stage runs inline one level down, where :class:`JoinOnTouch` does not look,
@@ -266,48 +231,51 @@ def join_pending(level: int, depth_of: Callable[[], int]) -> None:
     try:
         join_from(level)
     finally:
-        resume(level, depth_of)
+        resume(level)
 
 
 def finish(first: int, owner: object) -> None:
-    """At a root's end: forget ``owner``'s joins pending since the ``first`` (the root's
-    per-stream waits, queued next, cover them: each event was recorded earlier on one of
-    the call's streams) and join anyone else's."""
-    pending = _state.pending
+    """5b. At a root's end: forget ``owner``'s joins pending since the ``first`` (the
+    root's per-stream waits, queued next, cover them: each event was recorded earlier on
+    one of the call's streams) and join anyone else's."""
+    local = thread_state
+    pending = local.pending
     while len(pending) > first:
         entry = pending.pop()
         entry.done = True
-        if entry.owner is not owner:
-            entry.backend.wait_event(entry.ambient, entry.event)
-            entry.counters.joins += 1
+        other = entry.stage.owner
+        if other is not owner:
+            other._backend.wait_event(entry.ambient, entry.event)
+            other._counters.joins += 1
     if not pending:
-        _state.by_storage.clear()
+        local.by_storage.clear()
 
 
 def pending_count() -> int:
     """Joins pending on this thread (for tests and diagnostics)."""
-    return len(_state.pending)
+    return len(thread_state.pending)
 
 
 def suspend() -> None:
     """Start of a scheduler hook: its own tensor reads must not join. Takes the mode off
     the stack, wherever it is, and keeps it quiet until :func:`resume`."""
-    state = _state
-    state.quiet += 1
-    if state.mode is not None:
-        _take_off(state.mode)
+    local = thread_state
+    local.quiet += 1
+    if local.mode is not None:
+        _take_off(local.mode)
 
 
-def resume(level: int, depth_of: Callable[[], int]) -> None:
+def resume(level: int) -> None:
     """End of a scheduler hook: put the mode on the stack iff a join is pending at
     ``level`` (the level the code after the hook runs at)."""
-    state = _state
-    state.quiet -= 1
-    if not state.pending or state.pending[-1].level < level:
+    local = thread_state
+    local.quiet -= 1
+    pending = local.pending
+    if not pending or pending[-1].level < level:
         return
-    mode = state.mode
+    mode = local.mode
     if mode is None:
-        mode = state.mode = JoinOnTouch(depth_of)
+        mode = local.mode = JoinOnTouch()
     elif _position(mode) is not None:
         return
     _put_under(mode)
@@ -332,7 +300,7 @@ def _take_off(mode: object) -> None:
             _push_on_torch_function_stack(other)
 
 
-def _put_under(mode: JoinOnTouch) -> None:
+def _put_under(mode: TorchFunctionMode) -> None:
     """Push ``mode`` below every mode on the stack (but the default device's): a user's
     ``with`` block then pops its own mode when it ends, and its ops reach ours after
     its mode ran."""

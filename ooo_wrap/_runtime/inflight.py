@@ -1,8 +1,9 @@
-"""What is in flight on a thread while wrapped models run: stage calls and root calls.
+"""What is in flight on a thread while wrapped models run, and the one per-thread state.
 
-The scheduler's hooks push and pop these; one :data:`thread_state` is shared by every
-wrapped model, so that the hooks of two models sharing a stage module can tell whose call
-it is.
+The records (stage calls, root calls, pending joins) are plain data that the hooks push
+and pop; :data:`thread_state` holds them for every wrapped model at once, with every
+other per-thread field of the runtime. This module imports no other module of the
+runtime but ``backend``: everything above it reads the thread through it.
 """
 
 from __future__ import annotations
@@ -11,31 +12,50 @@ import copy
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from .._events import EventLog
 from .._plan import Stage
-from . import deferred as _deferred
-from .backend import Backend, Stream
-from .bypass import eager_bypass_reason
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from .._stats import Counters
+from .backend import Backend, Event, Stream
 
 __all__ = [
-    "NO_EVENTS",
+    "NO_INPUTS",
     "Frame",
+    "Owner",
+    "Pending",
     "RootCall",
-    "RootEvents",
     "StageRuntime",
     "ThreadState",
+    "handled_exception",
     "pair_tied_stages",
-    "stage_depth",
     "thread_state",
 ]
+
+
+def _exc_info_value() -> BaseException | None:
+    return sys.exc_info()[1]
+
+
+# The exception being handled here, if any: ``sys.exception()`` (Python 3.11+) returns it
+# without building ``sys.exc_info()``'s tuple, a quarter of the cost, twice per stage call.
+handled_exception: Callable[[], BaseException | None] = getattr(sys, "exception", _exc_info_value)
+
+
+NO_INPUTS: list[torch.Tensor] = []  # never appended to
+
+
+class Owner(Protocol):
+    """What the records need of the scheduler that made them (``scheduler.Scheduler``)."""
+
+    _backend: Backend
+    _counters: Counters
+    _events: EventLog
 
 
 class StageRuntime:
@@ -44,6 +64,7 @@ class StageRuntime:
     __slots__ = (
         "device",
         "device_type",
+        "index",
         "module",
         "name",
         "owner",
@@ -52,9 +73,10 @@ class StageRuntime:
         "twin",
     )
 
-    def __init__(self, owner: Scheduler, stage: Stage, stream: Stream) -> None:
+    def __init__(self, owner: Owner, stage: Stage, stream: Stream, index: int) -> None:
         self.owner = owner
         self.name = stage.name
+        self.index = index  # its position in the plan's stages
         # The module that carries this stage's hooks (set by Scheduler.install), weakly:
         # after model surgery it may no longer be the model's, and must not be kept alive.
         self.module: weakref.ref[nn.Module] | None = None
@@ -63,45 +85,53 @@ class StageRuntime:
         self.stream_index = stage.stream
         self.stream = stream
         # Under autocast, this stage as run on the stream of another stage it shares a
-        # weight with (see Scheduler.install); None when it shares none.
+        # weight with (see pair_tied_stages); None when it shares none.
         self.twin: StageRuntime | None = None
 
 
 class Frame:
-    """One stage call in flight on this thread; ``ambient is None`` when bypassed."""
+    """One stage call in flight on this thread; ``ambient is None`` when bypassed.
 
-    # ``profile_range`` is set and read only by ProfiledScheduler's hooks, so plain frames
-    # never pay for it.
+    A forked call uses its stage's frame on this thread (``ThreadState.stage_frames``),
+    kept from call to call with the stage's fork and join events: creating an event costs
+    a driver call, and a frame an allocation, on every stage call. Each call sets what is
+    its own, and its post-hook clears what would keep the call's objects alive. Per
+    thread: each event record is followed at once by its wait, so within a thread a
+    re-record never moves a pending wait (a queued wait keeps the state it saw), but
+    another thread's could. ``busy`` while on the stack: a stage called again inside
+    itself gets a fresh frame.
+    """
+
+    # ``profile_range`` is set and read only by ProfiledScheduler's hooks, and ``versions``
+    # only by DeferredScheduler's, so plain frames never pay for them.
     __slots__ = (
         "ambient",
         "blind",
-        "events",
+        "busy",
+        "fork",
         "inputs",
+        "join",
         "module",
         "outer_exception",
         "profile_range",
         "stage",
+        "versions",
     )
-    profile_range: torch.profiler.record_function
-    # Set only with overlap_forward: the inputs and their version counters at the call,
-    # and whether the search missed some (a write into one could not be seen).
-    inputs: tuple[list[torch.Tensor], list[int]]
-    blind: bool
+    versions: list[int]  # the inputs' version counters at the call (deferred joins)
 
-    def __init__(
-        self,
-        stage: StageRuntime,
-        module: nn.Module,
-        ambient: Stream | None,
-        events: list[Any],
-    ) -> None:
+    def __init__(self, stage: StageRuntime, module: nn.Module) -> None:
         self.stage = stage
         self.module = module
-        self.ambient = ambient
-        self.events = events  # the stage's [fork, join] events on this thread
+        self.ambient: Stream | None = None  # the caller's stream, while forked
+        self.fork: Event | None = None
+        self.join: Event | None = None
+        self.inputs = NO_INPUTS  # the input tensors found (deferred joins track writes)
+        self.blind = False  # the search missed some inputs
         # The exception being handled around the call, if any: the post-hook tells a
         # stage that raised from one called inside an ``except`` block by comparing.
-        self.outer_exception = sys.exc_info()[1]
+        self.outer_exception = handled_exception()
+        self.busy = False
+        self.profile_range: torch.profiler.record_function | None = None
 
 
 class RootCall:
@@ -117,61 +147,74 @@ class RootCall:
         "used",
     )
 
-    def __init__(self, owner: Scheduler, module: nn.Module) -> None:
+    def __init__(
+        self,
+        owner: Owner,
+        module: nn.Module,
+        bypass: str | None,
+        first_pending: int,
+        stages: int,
+        streams: int,
+    ) -> None:
         self.owner = owner
         self.module = module
-        # Joins already pending on the thread (overlap_forward): not this call's to end.
-        self.first_pending = _deferred.pending_count() if owner.overlap_forward else 0
-        self.used: set[int] = set()  # stream indexes of the stages it ran
-        self.called: set[StageRuntime] = set()  # the stages it ran on their streams
+        # Why every stage call of it runs inline, decided once at the root (the
+        # scheduler's _root_bypass), or None; a tuner may set it before any stage runs.
+        self.bypass = bypass
+        self.first_pending = first_pending  # joins pending before it: not its to end
+        # By stage index, whether it ran on its stream; by stream index, whether a stage
+        # ran on it. Flags, not sets: a store per stage call, never a resize.
+        self.called = [False] * stages
+        self.used = [False] * streams
         self.ran_inline = False  # some stage call was bypassed (ran on the caller's stream)
-        # Decided once for the whole call, at the root (cheaper than per stage call):
-        # disabled(), tracing, and no_grad / inference_mode, which leave no backward to
-        # overlap. A stage's own no_grad inside a training forward (reentrant checkpoint
-        # runs its first forward so) still forks, as its recomputation will. With
-        # overlap_forward, a no_grad forward has stages to overlap, so it forks too.
-        self.bypass = eager_bypass_reason()
-        if self.bypass is None and not torch.is_grad_enabled() and not owner.overlap_forward:
-            self.bypass = "no_grad"
+
+
+class Pending:
+    """A stage call whose caller's stream has not yet waited on its join event (step 4b
+    of the protocol, ``deferred.py``). The backend, counters and device are the stage's."""
+
+    __slots__ = ("ambient", "done", "event", "level", "stage")
+
+    def __init__(self, level: int, ambient: Stream, event: Event, stage: StageRuntime) -> None:
+        self.level = level  # the caller's level: stage calls in flight after it returned
+        self.ambient = ambient
+        self.event = event
+        self.stage = stage  # as run: its twin, if it ran on a tied stage's stream
+        self.done = False  # joined; it may still be listed under a storage
 
 
 class ThreadState(threading.local):
-    """What is in flight on one thread, for every wrapped model at once.
+    """Everything the runtime keeps per thread, for every wrapped model at once.
 
     Shared by all schedulers, so that the hooks of two wrapped models on one module (a
     stage module shared by both) can tell whose call it is: a stage hook acts only for the
     innermost root call in flight, or, outside any root call (e.g. a checkpoint
     recomputing a stage in backward), only if no other model already forked this call.
+    The only ``threading.local`` of the runtime: each field read through it costs a
+    look-up of the thread's dictionary, so a hook reads each field once.
     """
 
     def __init__(self) -> None:
         self.frames: list[Frame] = []  # stage calls in flight, innermost last
         self.calls: list[RootCall] = []  # root calls in flight, innermost last
-        # Each stage's [fork, join] events, made on first use and re-recorded on every call
-        # after (creating an event costs a driver call). Per thread: each record is
-        # followed at once by its wait, so within a thread a re-record never moves a
-        # pending wait (a queued wait keeps the state it saw), but another thread's could.
-        self.events: dict[StageRuntime, list[Any]] = {}
-        self.unseen: list[str] = []  # type names tensors_in could not see into
+        # Each stage's frame, reused with its events (see Frame), and each scheduler's
+        # root events, one per side stream, reused the same way (step 5).
+        self.stage_frames: dict[StageRuntime, Frame] = {}
+        self.root_events: dict[object, list[Event | None]] = {}
         # Inside a checkpoint's unpack hook (it may recompute): the (backend, device) of
         # each stage call run there (recompute.py); None elsewhere.
         self.recomputing: list[tuple[Backend, torch.device]] | None = None
+        self.disabled = 0  # depth of ooo_wrap.disabled() blocks (bypass.py)
+        # Deferred joins (deferred.py): the pending ones, innermost level last; each
+        # pending output's storage to the joins that made it; the join-on-touch mode,
+        # made once per thread; and >0 inside a hook whose own tensor reads must not join.
+        self.pending: list[Pending] = []
+        self.by_storage: dict[int, list[Pending]] = {}
+        self.mode: TorchFunctionMode | None = None
+        self.quiet = 0
 
 
 thread_state = ThreadState()
-NO_EVENTS: list[Any] = []
-
-
-class RootEvents(threading.local):
-    """Per thread, one reused event per side stream for the root's final joins."""
-
-    def __init__(self, streams: int) -> None:
-        self.events: list[Any] = [None] * streams
-
-
-def stage_depth() -> int:
-    """Stage calls in flight on this thread: the level of code running now."""
-    return len(thread_state.frames)
 
 
 def pair_tied_stages(model: nn.Module, stages: Sequence[StageRuntime]) -> bool:

@@ -1,8 +1,8 @@
 """Profiler ranges named after the stages: ``OOOModule(..., profile_ranges=True)``.
 
-A subclass of the scheduler rather than a flag inside it: the wrapper picks the class once
-at install time, so a model wrapped without ``profile_ranges`` runs the plain hooks and
-pays nothing for the option on the hot path.
+A subclass of the scheduler rather than a flag inside it: the class is picked once at
+install (``variants.py``), so a model wrapped without ``profile_ranges`` runs the plain
+hooks and pays nothing for the option on the hot path.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.compiler import is_compiling
 
-from .inflight import StageRuntime
+from .inflight import StageRuntime, thread_state
 from .scheduler import Scheduler
 
 __all__ = ["ProfiledScheduler"]
@@ -32,9 +33,9 @@ class ProfiledScheduler(Scheduler):
     def _stage_pre_hook(
         self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any
     ) -> None:
-        if torch.compiler.is_compiling():
+        if is_compiling():
             return  # the plain hook does nothing there: no frame, no range in a graph
-        frames = self._local.frames
+        frames = thread_state.frames
         depth = len(frames)
         super()._stage_pre_hook(stage, module, args, kwargs)
         if len(frames) == depth:
@@ -46,13 +47,14 @@ class ProfiledScheduler(Scheduler):
     def _stage_post_hook(
         self, stage: StageRuntime, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
-        if torch.compiler.is_compiling():
+        if is_compiling():
             return  # as the plain hook: nothing was opened
-        frames = self._local.frames
+        frames = thread_state.frames
         profile_range = None
         if frames and (frames[-1].stage is stage or frames[-1].stage is stage.twin):
-            # Unset when opening the range raised in the pre-hook: nothing to close then.
-            profile_range = getattr(frames[-1], "profile_range", None)
+            # None when opening the range raised in the pre-hook: nothing to close then.
+            # Taken off the frame, which the stage's next call reuses.
+            profile_range, frames[-1].profile_range = frames[-1].profile_range, None
         try:
             super()._stage_post_hook(stage, module, args, kwargs, output)
         finally:

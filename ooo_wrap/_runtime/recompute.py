@@ -8,15 +8,17 @@ only along gradients, so a node on another stream (the caller's, for the region'
 such as ``a(x) * b(x)``; a stage's, for what the stage saved) may read what the
 recomputation wrote on ``r``, or on a stage stream it forked to, with nothing in between;
 and that memory goes back to the pool of the stream it was allocated on. When a stage call
-runs inside the unpack hook:
+runs inside the unpack hook (these are not steps of the per-stage-call protocol in
+``scheduler.py``, whose steps 1-5 each recomputed stage call still runs):
 
-1. Each recomputed stage call forks from ``r`` and joins back into it (never deferred), or
-   runs inline on ``r``, so an event ``e`` recorded on ``r`` as the hook returns follows
-   every op of the recomputation.
-2. Every later unpack from that checkpoint, and this one, makes the unpacking node's stream
-   wait on ``e`` (queued before the node's kernels, which run after it unpacks) and calls
-   ``record_stream`` for that stream on the tensor: the checkpoint holds it until unpacked,
-   the node after, and its block is not reused before this stream's reads are done.
+- *The end event.* Each recomputed stage call forks from ``r`` and joins back into it
+  (step 4, never deferred), or runs inline on ``r``, so an event ``e`` recorded on ``r``
+  as the hook returns follows every op of the recomputation.
+- *Each reader waits.* Every later unpack from that checkpoint, and this one, makes the
+  unpacking node's stream wait on ``e`` (queued before the node's kernels, which run after
+  it unpacks) and calls ``record_stream`` for that stream on the tensor: the checkpoint
+  holds it until unpacked, the node after, and its block is not reused before this
+  stream's reads are done.
 
 Nothing here depends on the plan: wherever the forward's nodes and the recomputation ran,
 each reader waits and records. Where no stage runs, the checkpoint's hook runs unchanged.
@@ -57,7 +59,7 @@ def _ordered(unpack: UnpackHook) -> UnpackHook:
             if outer is not None:
                 outer += ran  # a recomputation run inside another's: it joined there too
             for backend, device in dict.fromkeys(ran):
-                # 1. e follows the recomputation: its stage calls all joined into r.
+                # The end event e follows the recomputation: its stage calls all joined r.
                 ends.append((backend, device, backend.record_event(backend.current_stream(device))))
         if ends:
             order_unpacked(tensor, ends)
@@ -67,7 +69,8 @@ def _ordered(unpack: UnpackHook) -> UnpackHook:
 
 
 def order_unpacked(tensor: torch.Tensor, ends: list[tuple[Backend, torch.device, Any]]) -> None:
-    """2. The unpacking node's stream waits on each end event; ``record_stream`` for it."""
+    """Each reader waits: the unpacking node's stream waits on each end event, and
+    ``record_stream`` for it."""
     for backend, device, event in ends:
         if tensor.device == device:
             stream = backend.current_stream(device)

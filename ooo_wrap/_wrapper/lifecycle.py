@@ -43,8 +43,8 @@ from .._planner.learned_plan import learned_of
 from .._reasons import Reason
 from .._runtime.accumulators import Accumulators
 from .._runtime.backend import Backend, clock_of
-from .._runtime.profiling import ProfiledScheduler
 from .._runtime.scheduler import Scheduler, running
+from .._runtime.variants import scheduler_class
 from .._stats import Counters
 from .learn import Learned, Learner, pending_plan, summary
 from .options import WrapOptions
@@ -282,11 +282,12 @@ class WrapState:
         backend = self.backend
         with self._as_before_on_error():
             streams = [backend.new_stream(the_plan.devices[0]) for _ in range(the_plan.num_streams)]
-            # Picked here, once: without profile_ranges the hooks carry no profiling code.
-            scheduler_class = ProfiledScheduler if self.options.profile_ranges else Scheduler
-            scheduler = scheduler_class(
-                the_plan, streams, backend, self.log, self.counters, self.options.overlap_forward
+            # Picked here, once: the hooks carry no code for the options that are off.
+            scheduler_type = scheduler_class(
+                overlap_forward=self.options.overlap_forward,
+                profile_ranges=self.options.profile_ranges,
             )
+            scheduler = scheduler_type(the_plan, streams, backend, self.log, self.counters)
             self.scheduler = scheduler
             scheduler.install(model, self._hooks["scheduler"])
             scheduler.accumulators = self.accumulators

@@ -291,5 +291,5 @@ def test_without_the_blind_search_rules_a_deeply_nested_pending_output_races(
     )
     assert _raw(_check(om.DeepFeed), "a", "side2")
     assert _check(om.DeepReturn).races == ()
-    monkeypatch.setattr(_deferred, "defer", lambda *args: defer(*args[:8], False))
+    monkeypatch.setattr(_deferred, "defer", lambda *args: defer(*args[:5], False))
     assert _raw(_check(om.DeepReturn), "a", "side2")

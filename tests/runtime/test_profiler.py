@@ -92,9 +92,9 @@ def test_no_ranges_when_off_and_the_plain_hooks_are_installed() -> None:
     assert _ooo_counts(_profiled(lambda: model(torch.randn(4, 8)))) == {}
     # Off means the base scheduler's own hooks, chosen at wrap time: no per-call check.
     hooks = list(model.towers[0]._forward_pre_hooks.values())
-    assert [hook.func.__func__ for hook in hooks] == [Scheduler._stage_pre_hook]
+    assert [hook.func for hook in hooks] == [Scheduler._stage_pre_hook]
     hooks = list(model.towers[0]._forward_hooks.values())
-    assert [hook.func.__func__ for hook in hooks] == [Scheduler._stage_post_hook]
+    assert [hook.func for hook in hooks] == [Scheduler._stage_post_hook]
 
 
 def test_range_is_closed_when_the_stage_raises() -> None:
@@ -237,3 +237,38 @@ def test_ranges_on_a_gpu() -> None:
     events = _profiled(lambda: model(x).sum().backward())
     assert _ooo_counts(events) == {"ooo/towers.0": 1, "ooo/towers.1": 1, "ooo/towers.2": 1}
     torch.cuda.synchronize()
+
+
+def test_a_range_that_failed_to_open_closes_nothing_on_the_stages_reused_frame(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stage's frame is reused call after call: a range the pre-hook could not open
+    must not close the previous call's range a second time."""
+    calls: list[tuple[str, str]] = []
+    refuse = False
+
+    class Spy(record_function):
+        def __enter__(self) -> Spy:
+            if refuse:
+                raise RuntimeError("profiler refused")
+            calls.append(("enter", self.name))
+            return super().__enter__()  # type: ignore[no-any-return]
+
+        def __exit__(self, *exc: object) -> None:
+            calls.append(("exit", self.name))
+            super().__exit__(*exc)
+
+    monkeypatch.setattr(torch.profiler, "record_function", Spy)
+    model = ooo_wrap.OOOModule(
+        TwoStages(), backend=SimulatedBackend(), profile_ranges=True, planner="static"
+    )
+    model(torch.randn(2, 8))
+    refuse = True
+    with pytest.raises(RuntimeError, match="profiler refused"):
+        model(torch.randn(2, 8))
+    assert calls == [
+        ("enter", "ooo/first"),
+        ("exit", "ooo/first"),
+        ("enter", "ooo/second"),
+        ("exit", "ooo/second"),
+    ]

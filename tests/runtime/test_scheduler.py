@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +15,9 @@ import torch
 from torch import nn
 
 import ooo_wrap
+import ooo_wrap.testing
 from ooo_wrap import EventKind, OOOStats
+from ooo_wrap._runtime import inflight
 from ooo_wrap._wrapper.classswap import _classes
 from ooo_wrap._wrapper.module import _wrapped
 from ooo_wrap.testing import SimulatedBackend, StreamCall, VirtualEvent, VirtualStream
@@ -46,9 +50,9 @@ def wrap(model: nn.Module, backend: SimulatedBackend, streams: int = 4) -> list[
 
 
 def thread_state(model: nn.Module) -> tuple[list[object], list[object]]:
-    """The calling thread's in-flight frames and calls of ``model``'s scheduler."""
-    local = _wrapped[model].scheduler._local
-    return local.frames, local.calls
+    """The calling thread's in-flight frames and calls (``model``'s scheduler's among them)."""
+    assert _wrapped[model].scheduler is not None
+    return inflight.thread_state.frames, inflight.thread_state.calls
 
 
 def events_of(model: nn.Module, kind: EventKind) -> list[ooo_wrap.OOOEvent]:
@@ -619,3 +623,64 @@ def test_events_are_made_once_per_stage_and_thread_then_reused() -> None:
     worker.start()
     worker.join()
     assert backend.created == 2 * first
+
+
+# --- each stage's frame, reused call after call ------------------------------------------
+
+
+class CallsItself(nn.Module):
+    """A stage whose forward calls the stage again, ``depth`` levels deep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x)
+        return self(out, depth - 1) if depth > 0 else out
+
+
+class RecursiveTowers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.deep = CallsItself()
+        self.flat = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.deep(x, 2) + self.flat(x)
+
+
+def test_a_stage_that_calls_itself_forks_and_joins_each_call() -> None:
+    """The stage's frame is on the stack when it calls itself: the inner calls get their own."""
+    x = torch.randn(3, 4)
+    report = ooo_wrap.testing.check(RecursiveTowers(), x, planner="static", stages=["deep", "flat"])
+    assert report.ok, str(report)
+    backend = SimulatedBackend()
+    model = RecursiveTowers()
+    ooo_wrap.OOOModule(model, backend=backend, planner="static", stages=["deep", "flat"])
+    for _ in range(2):
+        model(x).sum().backward()
+        assert backend.current_stream() == DEFAULT
+        assert thread_state(model) == ([], [])
+    assert model.stats.stage_calls == 2 * 4
+
+
+class Handled(Exception):
+    """An exception type that can be referred to weakly."""
+
+
+def test_a_stage_call_keeps_nothing_of_its_own_alive_after_it() -> None:
+    """Neither the inputs nor the exception handled around the call stay on the frame the
+    stage's next call reuses."""
+    model = make_two_towers()
+    wrap(model, SimulatedBackend())
+    x = two_tower_input()
+    seen = weakref.ref(x)
+    try:
+        raise Handled("handled around the forward")
+    except Handled as error:
+        handled = weakref.ref(error)
+        model(x)
+    del x
+    gc.collect()
+    assert seen() is None and handled() is None

@@ -17,7 +17,6 @@ import ooo_wrap
 from ooo_wrap import EventKind, OOOConfigError
 from ooo_wrap._runtime.inflight import thread_state
 from ooo_wrap._wrapper.lifecycle import WrapState
-from ooo_wrap._wrapper.module import _wrapped
 from ooo_wrap.testing import SimulatedBackend, VirtualStream
 from tests.support.models import make_two_towers, two_tower_input
 
@@ -38,8 +37,7 @@ class Pair(nn.Module):
 
 
 def _in_flight() -> tuple[list[object], list[object]]:
-    local = next(iter(_wrapped.values())).scheduler._local
-    return list(local.frames), list(local.calls)
+    return list(thread_state.frames), list(thread_state.calls)
 
 
 @pytest.mark.usefixtures("plan_by_rule")
