@@ -126,3 +126,37 @@ def test_importing_the_package_imports_every_module_once() -> None:
     ]
     assert executed and len(executed) == len(set(executed)), executed
     assert "ooo_wrap._wrapper.serialize" in executed
+
+
+def _documented_files() -> set[str]:
+    """The module paths the file tree of ``docs/code-layout.md`` lists."""
+    text = (PACKAGE.parent / "docs" / "code-layout.md").read_text()
+    tree = text.split("## Files", 1)[1].split("```", 2)[1]
+    found: set[str] = set()
+    folders: list[tuple[int, str]] = []
+    for line in tree.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        name = line.split()[0]
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        path = "/".join([*(folder for _, folder in folders), name.rstrip("/")])
+        if name.endswith("/"):
+            folders.append((indent, name.rstrip("/")))
+        else:
+            found.add(path)
+    return found
+
+
+def test_the_code_layout_page_lists_every_module() -> None:
+    actual = {
+        str(path.relative_to(PACKAGE.parent))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    documented = {path for path in _documented_files() if not path.endswith("__init__.py")}
+    assert documented == actual, (
+        f"missing from docs/code-layout.md: {sorted(actual - documented)}; "
+        f"listed but gone: {sorted(documented - actual)}"
+    )
