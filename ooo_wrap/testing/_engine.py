@@ -58,12 +58,13 @@ import functools
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
+from .._compat import current_autograd_node, queue_engine_callback
 from ._node_tags import NodeTag, NodeTags
 from ._ops import storage_key
 from ._simulated import VirtualStream
@@ -220,9 +221,7 @@ class EngineModel:
         no op ran since to tag it). Ops of a node that has finished (its gradients being
         summed into the next input buffers) start nothing.
         """
-        # The engine's running node: no public API names it (the profiler and
-        # torch.utils.checkpoint use the same private call).
-        node: Node | None = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is None:
             return
         tag = self._tags.get(node)
@@ -361,10 +360,9 @@ class EngineModel:
         caller = self._host.stream_now()
         frame = _Backward(caller, self._host.tracker.snapshot(caller), self._stage, nested=nested)
         self._stack.append(frame)
-        # The engine's own end-of-backward hook (what DDP and FSDP use): runs when this
-        # graph task finishes, where the engine syncs the caller with the leaf streams.
-        engine: Any = torch.autograd.Variable._execution_engine
-        engine.queue_callback(functools.partial(self._end, frame))
+        # Runs when this graph task finishes, where the engine syncs the caller with the
+        # leaf streams.
+        queue_engine_callback(functools.partial(self._end, frame))
         return frame
 
     def _end(self, frame: _Backward) -> None:
