@@ -65,6 +65,7 @@ from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
 from .._compat import current_autograd_node, queue_engine_callback
+from .._planner.intercept import OpOverload
 from ._node_tags import NodeTag, NodeTags
 from ._ops import storage_key
 from ._simulated import VirtualStream
@@ -172,9 +173,7 @@ class EngineModel:
         """Tag the nodes of the last op's outputs, and release them."""
         self._tags.flush()
 
-    def accumulation_target(
-        self, func: torch._ops.OpOverload, keys: Iterable[int]
-    ) -> NodeTag | None:
+    def accumulation_target(self, func: OpOverload, keys: Iterable[int]) -> NodeTag | None:
         """The consumer node whose input buffer an op between two nodes accumulates into.
 
         The engine adds a second gradient for one input on the consumer's stream, after
@@ -191,7 +190,7 @@ class EngineModel:
                 return consumer
         return self._root_sum(func, read)
 
-    def _root_sum(self, func: torch._ops.OpOverload, read: set[int]) -> NodeTag | None:
+    def _root_sum(self, func: OpOverload, read: set[int]) -> NodeTag | None:
         """The root whose caller-given gradient this op sums with one just fed to it."""
         if func not in _SUMS or len(read) < 2 or not self._stack:
             return None
