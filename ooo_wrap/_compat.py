@@ -1,7 +1,9 @@
 """The one place ooo_wrap relies on private PyTorch names or on APIs newer than torch 2.6.
 
 Every torch API the library uses is in torch 2.6 (the declared minimum) except the ones
-guarded here; docs/torch-versions.md lists each API with the version that added it.
+guarded here; docs/torch-versions.md lists each API with the version that added it. Two
+exceptions, each confined to one file of its own and listed there too: ``torch.utils._pytree``
+(``_tensors.py``) and ``TorchDispatchMode`` (``_planner/intercept.py``).
 """
 
 from __future__ import annotations
@@ -9,21 +11,42 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch._C import (
+    _get_function_stack_at,
+    _len_torch_function_stack,
+    _pop_torch_function_stack,
+    _push_on_torch_function_stack,
+)
+from torch.autograd.graph import Node
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = [
+    "MODULE_CHILDREN_KEY",
+    "autograd_sequence_nr",
+    "current_autograd_node",
+    "first_input_shape",
     "forward_hook_dicts",
+    "function_mode_position",
+    "functorch_transforms_active",
     "is_checkpoint_early_stop",
     "is_compiled_module",
+    "modes_set_aside",
+    "node_metadata",
+    "node_sequence_nr",
+    "put_function_mode_under",
+    "queue_engine_callback",
     "stale_capture_streams_overridden",
     "storage_address",
     "storage_id",
     "storage_tensor",
     "stream_is_capturing",
+    "take_function_mode_off",
     "wrap_checkpoint_unpacks",
 ]
 
@@ -38,6 +61,12 @@ _FORWARD_HOOK_DICTS = (
     "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called",
 )
+
+# ``nn.Module`` keeps its child modules in the private dict attribute ``_modules``, so a
+# module's state (``__getstate__``, ``vars()``) holds them under that key (since torch 1.0).
+# The wrapper's pickling rewrites that dict (``_wrapper/serialize.py``): no public API
+# builds a module's state with other children.
+MODULE_CHILDREN_KEY = "_modules"
 
 
 def is_compiled_module(model: nn.Module) -> bool:
@@ -190,3 +219,133 @@ def storage_tensor(tensor: torch.Tensor) -> torch.Tensor | None:
             break
         inner = unwrapped
     return None if inner is tensor else inner
+
+
+# --- the autograd engine: its running node, its callbacks, its node numbers ------------
+#
+# The race checker models the engine's stream semantics from node hooks
+# (``testing/_engine.py``, ``testing/_node_tags.py``); the wrapper reads and releases
+# gradient accumulators (``_runtime/accumulators.py``). PyTorch has no public API for any
+# of what follows; each is in torch 2.6.
+
+
+def current_autograd_node() -> Node | None:
+    """The node the autograd engine is running on this thread, or ``None`` outside one.
+
+    ``torch._C._current_autograd_node`` (private; the profiler and ``torch.utils.checkpoint``
+    use it for the same question).
+    """
+    node: Node | None = torch._C._current_autograd_node()
+    return node
+
+
+def queue_engine_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the graph task now running ends (where the engine syncs the
+    caller's stream with the leaf streams).
+
+    The engine's own end-of-backward hook, ``Variable._execution_engine.queue_callback``
+    (private; what DDP and FSDP use).
+    """
+    engine: Any = torch.autograd.Variable._execution_engine
+    engine.queue_callback(callback)
+
+
+def autograd_sequence_nr() -> int:
+    """The sequence number the next autograd node made on this thread will get.
+
+    ``torch._C._autograd._get_sequence_nr`` (private; the profiler's, which matches ops to
+    nodes the same way).
+    """
+    return int(torch._C._autograd._get_sequence_nr())
+
+
+def node_sequence_nr(node: Node) -> int:
+    """The sequence number ``node`` was made with (``AccumulateGrad``: the largest int).
+
+    ``Node._sequence_nr()`` (private).
+    """
+    return int(cast(Any, node)._sequence_nr())
+
+
+def node_metadata(node: Node) -> dict[str, Any]:
+    """``node.metadata``: the node's dict for whoever holds it (public, but a property at
+    run time where torch's stubs declare a method)."""
+    metadata: dict[str, Any] = cast(Any, node).metadata
+    return metadata
+
+
+def first_input_shape(node: Node) -> tuple[int, ...] | None:
+    """The shape of ``node``'s first input as the node recorded it when it was made, or
+    ``None`` if it recorded none.
+
+    ``Node._input_metadata`` (private): tells a leaf's cached ``AccumulateGrad`` (which
+    recorded the leaf's shape) from one just made while the leaf had another.
+    """
+    metadata = cast(Any, node)._input_metadata
+    return tuple(metadata[0].shape) if metadata else None
+
+
+@contextlib.contextmanager
+def modes_set_aside() -> Iterator[None]:
+    """No dispatch or function mode of this thread sees the ops run inside the block.
+
+    ``torch.utils._python_dispatch._disable_current_modes`` (private) pops the dispatch
+    modes for the block and puts them back; the function modes are turned off by
+    ``torch._C.DisableTorchFunction`` (in the private ``torch._C``; it turns off every
+    function mode and subclass, where the public ``DisableTorchFunctionSubclass`` leaves
+    the modes on).
+    """
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
+
+
+def functorch_transforms_active() -> bool:
+    """Whether a functorch transform (``vmap``, ``torch.func.grad``) is running on this
+    thread: ``torch._C._are_functorch_transforms_active`` (private; no public query)."""
+    return bool(torch._C._are_functorch_transforms_active())
+
+
+# --- the thread's function mode stack, below its top -----------------------------------
+#
+# ``TorchFunctionMode`` is public (``torch.overrides``), but a mode entered with ``with``
+# leaves by popping the top of the thread's mode stack, whichever mode that is. The
+# deferred joins' mode (``_runtime/deferred.py``) is put on and taken off outside any
+# ``with``, so it must never be on top of a user's mode, and the stack has no public API
+# to insert or remove below the top. The private ``torch._C`` stack functions imported
+# above are the ones ``torch.overrides`` and ``torch.utils._device`` use to the same end.
+
+
+def function_mode_position(mode: object) -> int | None:
+    """Where ``mode`` is on this thread's function mode stack (0: the bottom), if it is."""
+    for index in range(_len_torch_function_stack()):
+        if _get_function_stack_at(index) is mode:
+            return index
+    return None
+
+
+def take_function_mode_off(mode: object) -> None:
+    """Remove ``mode`` from the stack, leaving every other mode where it was."""
+    index = function_mode_position(mode)
+    if index is None:
+        return  # someone else took it off already
+    above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack() - index)]
+    for other in reversed(above):
+        if other is not mode:
+            _push_on_torch_function_stack(other)
+
+
+def put_function_mode_under(mode: TorchFunctionMode) -> None:
+    """Push ``mode`` below every mode on the stack (but the default device's): a user's
+    ``with`` block then pops its own mode when it ends, and its ops reach ours after
+    its mode ran."""
+    depth = _len_torch_function_stack()
+    # ``torch.set_default_device`` keeps its mode at the very bottom (kept on the private
+    # ``torch._GLOBAL_DEVICE_CONTEXT``) and asserts it is there when the default changes:
+    # ours goes just above that one. A ``with torch.device(...)`` block's mode is pushed on
+    # top and popped from the top like a user's, so ours goes under it.
+    default = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    bottom = 1 if depth and default is not None and _get_function_stack_at(0) is default else 0
+    above = [_pop_torch_function_stack() for _ in range(depth - bottom)]
+    _push_on_torch_function_stack(mode)
+    for other in reversed(above):
+        _push_on_torch_function_stack(other)

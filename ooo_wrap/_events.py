@@ -7,12 +7,20 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-__all__ = ["EventKind", "EventLog", "OOOEvent"]
+__all__ = ["EventKind", "EventLog", "OOOEvent", "ValueEnum"]
 
 logger = logging.getLogger("ooo_wrap")
 
 
-class EventKind(enum.Enum):
+class ValueEnum(enum.Enum):
+    """An enum whose members print as their values (``str()`` and f-strings alike), as the
+    messages and reports that show them want."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class EventKind(ValueEnum):
     """The kind of an :class:`OOOEvent`."""
 
     ENABLED = "enabled"
@@ -26,9 +34,6 @@ class EventKind(enum.Enum):
     STAGE_REPLACED = "stage_replaced"  # a stage replaced or removed after wrapping
     UNTRACKED = "untracked"
     UNWRAPPED = "unwrapped"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ hook) and of ``BYPASSED`` events (stage calls ran inline on the caller's stream)
 
 from __future__ import annotations
 
-import enum
+from ._events import ValueEnum
 
 __all__ = ["Reason"]
 
 
-class Reason(str, enum.Enum):
+class Reason(str, ValueEnum):  # prints as its value, as a plain str would
     """The machine-readable reason of a ``DISABLED`` or ``BYPASSED`` event."""
 
     # DISABLED: the model is left untouched, or runs with no hook at all.
@@ -32,9 +32,6 @@ class Reason(str, enum.Enum):
     DISABLED = "disabled"
     TUNING = "tuning"
     NO_GRAD = "no_grad"
-
-    def __str__(self) -> str:  # the value, as a plain str would print (f-strings too)
-        return self.value
 
     @property
     def message(self) -> str:

@@ -49,7 +49,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -58,6 +57,7 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from .._errors import OOOConfigError
 from .._tensors import tensors_in
+from .intercept import OpArgs, OpKwargs, OpOverload
 
 __all__ = [
     "ELEMENTS_PER_BLOCK",
@@ -297,7 +297,7 @@ class OpCost:
 _FREE = OpCost(flops=0, bytes=0, occupancy=1.0, device_us=0.0, launches=False)
 
 
-def launches_kernel(func: torch._ops.OpOverload) -> bool:
+def launches_kernel(func: OpOverload) -> bool:
     """Whether ``func`` launches a device kernel (views and metadata ops do not)."""
     return not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL
 
@@ -327,9 +327,7 @@ def _shapes(value: Any) -> Any:
     return value
 
 
-def _flops(
-    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
-) -> int:
+def _flops(func: OpOverload, args: OpArgs, kwargs: OpKwargs, out: Any) -> int:
     """FLOPs from torch.utils.flop_counter's formula table (keyed by overload packet)."""
     packet = func.overloadpacket
     formula = flop_registry.get(_GPU_TWIN.get(packet.__name__, packet))
@@ -348,11 +346,7 @@ def _flops(
 
 
 def estimate_op(
-    func: torch._ops.OpOverload,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    out: Any,
-    gpu: ReferenceGPU = H200,
+    func: OpOverload, args: OpArgs, kwargs: OpKwargs, out: Any, gpu: ReferenceGPU = H200
 ) -> OpCost:
     """Estimate one dispatched op's device time on ``gpu`` (see the module docstring).
 

@@ -19,12 +19,27 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpHandler", "OpInterceptor", "intercept_new_threads"]
+__all__ = [
+    "OpArgs",
+    "OpHandler",
+    "OpInterceptor",
+    "OpKwargs",
+    "OpOverload",
+    "OpPrepare",
+    "intercept_new_threads",
+]
+
+# An aten op as a dispatch mode sees it, the first parameters of every op callback here and
+# in the race checker: the overload, its positional and its keyword arguments (and, once
+# it ran, its result: ``Any``).
+OpOverload = torch._ops.OpOverload
+OpArgs = Sequence[Any]
+OpKwargs = Mapping[str, Any]
 
 # (op, args, kwargs, result, what prepare returned) -> None; called after the op ran.
-OpHandler = Callable[[torch._ops.OpOverload, Sequence[Any], Mapping[str, Any], Any, Any], None]
+OpHandler = Callable[[OpOverload, OpArgs, OpKwargs, Any, Any], None]
 # (op, args, kwargs) -> anything; called before the op runs.
-OpPrepare = Callable[[torch._ops.OpOverload, Sequence[Any], Mapping[str, Any]], Any]
+OpPrepare = Callable[[OpOverload, OpArgs, OpKwargs], Any]
 
 
 # The base class is untyped in torch: its constructor hooks are the untyped calls.
@@ -39,10 +54,10 @@ class OpInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(
         self,
-        func: torch._ops.OpOverload,
+        func: OpOverload,
         types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
+        args: OpArgs = (),
+        kwargs: OpKwargs | None = None,
     ) -> Any:
         kwargs = kwargs or {}
         before = None if self._prepare is None else self._prepare(func, args, kwargs)
@@ -66,13 +81,7 @@ def intercept_new_threads(handler: OpHandler, prepare: OpPrepare) -> Iterator[No
     """
     active = True
 
-    def report(
-        func: torch._ops.OpOverload,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        out: Any,
-        before: Any,
-    ) -> None:
+    def report(func: OpOverload, args: OpArgs, kwargs: OpKwargs, out: Any, before: Any) -> None:
         if active:
             handler(func, args, kwargs, out, before)
 

@@ -24,14 +24,14 @@ from torch.utils.hooks import RemovableHandle
 from .._compat import storage_id
 from .._tensors import tensors_in
 from .cost import H200, ReferenceGPU, estimate_op
-from .intercept import OpInterceptor
+from .intercept import OpArgs, OpInterceptor, OpKwargs, OpOverload
 from .schema import arguments
 
 __all__ = ["CallRecord", "ObservedOp", "Observer", "observe"]
 
 StorageKey = int
 # (func, args, kwargs, out) -> estimated device µs of one op.
-OpCostFn = Callable[[torch._ops.OpOverload, Sequence[Any], Mapping[str, Any], Any], float]
+OpCostFn = Callable[[OpOverload, OpArgs, OpKwargs, Any], float]
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _storage_key(tensor: torch.Tensor) -> StorageKey | None:
 
 
 def _uses(
-    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
+    func: OpOverload, args: OpArgs, kwargs: OpKwargs, out: Any
 ) -> tuple[list[StorageKey], list[StorageKey], list[StorageKey]]:
     """(reads, in-place writes, fresh allocations) of one op, from its schema and the
     writes schemas leave out (``_schema.arguments``)."""
@@ -229,12 +229,7 @@ class Observer:
             self._top.append(record)
 
     def _record(
-        self,
-        func: torch._ops.OpOverload,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        out: Any,
-        before: object = None,
+        self, func: OpOverload, args: OpArgs, kwargs: OpKwargs, out: Any, before: object = None
     ) -> None:
         """File one op, after it ran, under the innermost open module call."""
         if not self._stack:  # an op outside any module call (e.g. building inputs)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .cost import ReferenceGPU
 from .observe import CallRecord
@@ -48,6 +49,20 @@ __all__ = [
 ]
 
 Lane = tuple[int, int, int]  # (call_id of the region's call, region number, branch number)
+
+
+class _Branch(NamedTuple):
+    """Where a branch's calls are placed while walking (the root call is one on its own).
+
+    ``home``: its stream; ``own``: the side streams its regions may take, no concurrent
+    branch using them; ``busy``: estimated µs of concurrent work on the other streams (for
+    when ``own`` runs out); ``lane``: the innermost region branch it is, if any.
+    """
+
+    home: int | None
+    own: tuple[int, ...]
+    busy: Mapping[int, float]
+    lane: Lane | None
 
 
 @dataclass(frozen=True)
@@ -108,64 +123,37 @@ class RegionWalk:
     def __post_init__(self) -> None:
         self.rule = RegionRule(self.gpu, self.vetoed, self.moved)
 
-    def call(
-        self,
-        call: CallRecord,
-        home: int | None,
-        own: tuple[int, ...],
-        busy: Mapping[int, float],
-        lane: Lane | None,
-    ) -> float:
-        """Place ``call``'s insides with ``home`` as its stream; return its estimated time.
-
-        ``own``: the side streams its regions may take, no concurrent branch using them;
-        ``busy``: estimated µs of concurrent work on the other streams (for when ``own``
-        runs out).
-        """
-        self.lanes[call.call_id] = lane
+    def call(self, call: CallRecord, at: _Branch) -> float:
+        """Place ``call``'s insides with ``at.home`` as its stream; return its estimated time."""
+        self.lanes[call.call_id] = at.lane
         if not self.rule.has_region(call):
             return call.device_us
         series = self.rule.series(call)
         own_us = self.rule.dag(call).own_us
-        return own_us + self._series(call, series, home, own, busy, lane, [0])
+        return own_us + self._series(call, series, at, [0])
 
-    def _series(
-        self,
-        call: CallRecord,
-        series: Series,
-        home: int | None,
-        own: tuple[int, ...],
-        busy: Mapping[int, float],
-        lane: Lane | None,
-        counter: list[int],
-    ) -> float:
+    def _series(self, call: CallRecord, series: Series, at: _Branch, counter: list[int]) -> float:
         total = 0.0
         for part in series.parts:
             if isinstance(part, Parallel):
-                total += self._parallel(call, part, home, own, busy, lane, counter)
-            elif home is None or self.rule.splits(part):
-                total += self.call(part, home, own, busy, lane)
+                total += self._parallel(call, part, at, counter)
+            elif at.home is None or self.rule.splits(part):
+                total += self.call(part, at)
             else:  # a link on its branch's stream: one stage, or inline if a fork outlasts it
                 if self.rule.side_stages(part):
-                    self.stage_stream[part.call_id] = home
-                self.lanes[part.call_id] = lane
+                    self.stage_stream[part.call_id] = at.home
+                self.lanes[part.call_id] = at.lane
                 total += part.device_us
         return total
 
     def _parallel(
-        self,
-        call: CallRecord,
-        parallel: Parallel,
-        home: int | None,
-        own: tuple[int, ...],
-        busy: Mapping[int, float],
-        lane: Lane | None,
-        counter: list[int],
+        self, call: CallRecord, parallel: Parallel, at: _Branch, counter: list[int]
     ) -> float:
+        home, own, busy = at.home, at.own, at.busy
         choice = self.rule.choose(parallel)
         branches = parallel.branches
         if choice is None:  # not worth splitting: one chain on ``home``
-            return sum(self._series(call, b, home, own, busy, lane, counter) for b in branches)
+            return sum(self._series(call, b, at, counter) for b in branches)
         number, counter[0] = counter[0], counter[0] + 1
         # Streams of its own while there are any; else every stream is taken by concurrent
         # work: the least loaded by estimated cost, if lighter than staying on ``home``.
@@ -179,7 +167,7 @@ class RegionWalk:
             load[target] += branches[index].device_us
         if all(s == home for s in place):  # no stream worth leaving for
             counter[0] -= 1
-            return sum(self._series(call, b, home, own, busy, lane, counter) for b in branches)
+            return sum(self._series(call, b, at, counter) for b in branches)
         self.regions.append(
             RegionPlacement(
                 call=call.name,
@@ -203,9 +191,8 @@ class RegionWalk:
                 for stream in (other, *streams):  # its work spread over its streams
                     if stream is not None:
                         inner_busy[stream] = inner_busy.get(stream, 0.0) + cost / (len(streams) + 1)
-            branch_lane = (call.call_id, number, index)
-            inner_own = shares[target][1]
-            spent = self._series(call, branch, target, inner_own, inner_busy, branch_lane, counter)
+            inner = _Branch(target, shares[target][1], inner_busy, (call.call_id, number, index))
+            spent = self._series(call, branch, inner, counter)
             times[target] = times.get(target, 0.0) + spent
         return max(times.values())
 
@@ -297,7 +284,7 @@ def assign_regions(
     """Find every region under ``root`` (none of ``vetoed``) and give each stage call a
     side stream; the heaviest branch of a region in ``moved`` leaves the caller's too."""
     walk = RegionWalk(streams, gpu, vetoed, moved)
-    walk.forward_us = walk.call(root, None, tuple(range(streams)), {}, None)
+    walk.forward_us = walk.call(root, _Branch(None, tuple(range(streams)), {}, None))
     return walk
 
 

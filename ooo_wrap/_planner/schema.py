@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._tensors import tensors_in
+from .intercept import OpArgs, OpKwargs, OpOverload
 
 __all__ = ["HIDDEN_WRITES", "arguments", "declared_writes"]
 
@@ -37,9 +38,7 @@ def _argument(index: int, name: str, args: Sequence[Any], kwargs: Mapping[str, A
     return kwargs.get(name)
 
 
-def arguments(
-    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> Iterator[tuple[Any, bool]]:
+def arguments(func: OpOverload, args: OpArgs, kwargs: OpKwargs) -> Iterator[tuple[Any, bool]]:
     """``(value, written)`` for each argument of the call that is not ``None``, in schema
     order: ``written`` if the schema marks it as written (in-place, ``out=``) or the op
     updates it anyway (``HIDDEN_WRITES``)."""
@@ -58,9 +57,7 @@ def arguments(
         yield value, (alias is not None and alias.is_write) or index in hidden
 
 
-def declared_writes(
-    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> list[torch.Tensor]:
+def declared_writes(func: OpOverload, args: OpArgs, kwargs: OpKwargs) -> list[torch.Tensor]:
     """The tensors the schema marks as written: the only ones an op may give new memory
     (``out=`` resizing, ``resize_``)."""
     written: list[torch.Tensor] = []

@@ -60,27 +60,19 @@ __all__ = [
 # a matmul's is two matmuls (and a bias reduction for ``addmm``), a convolution's one
 # ``convolution_backward``; an in-place op (a running-statistics update) and a
 # concatenation (its backward is views) launch none; any other op about one kernel a bit
-# slower than its forward. An estimate, like the costs it scales.
+# slower than its forward. An estimate, like the costs it scales. Each listed op has two:
+# its usual backward, and the one of a matmul or convolution of the step's inputs (the
+# first layer), which needs no input gradient.
 BACKWARD_FACTOR = 1.15
 BACKWARD_LAUNCHES = 1.0
-_BACKWARD: dict[str, tuple[float, float]] = {
-    "addmm": (2.05, 3.0),
-    "mm": (2.0, 2.0),
-    "bmm": (2.0, 2.0),
-    "baddbmm": (2.05, 3.0),
-    "convolution": (1.35, 1.0),
-    "cat": (0.0, 0.0),
-    "stack": (0.0, 0.0),
-}
-
-
-# A matmul or convolution of the step's inputs (the first layer) needs no input gradient.
-_NO_INPUT_GRAD: dict[str, tuple[float, float]] = {
-    "addmm": (1.05, 2.0),
-    "mm": (1.0, 1.0),
-    "bmm": (1.0, 1.0),
-    "baddbmm": (1.05, 2.0),
-    "convolution": (0.7, 1.0),
+_BACKWARD: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
+    "addmm": ((2.05, 3.0), (1.05, 2.0)),
+    "mm": ((2.0, 2.0), (1.0, 1.0)),
+    "bmm": ((2.0, 2.0), (1.0, 1.0)),
+    "baddbmm": ((2.05, 3.0), (1.05, 2.0)),
+    "convolution": ((1.35, 1.0), (0.7, 1.0)),
+    "cat": ((0.0, 0.0), (0.0, 0.0)),
+    "stack": ((0.0, 0.0), (0.0, 0.0)),
 }
 
 
@@ -89,10 +81,9 @@ def backward_cost(name: str, first: bool = False) -> tuple[float, float]:
     (``aten.addmm.default``); ``first``: it reads nothing another op of the forward made
     (only inputs and parameters), so a matmul's input gradient is not computed."""
     packet = name.split(".")[1] if name.startswith("aten.") else name
-    if first and packet in _NO_INPUT_GRAD:
-        return _NO_INPUT_GRAD[packet]
     if packet in _BACKWARD:
-        return _BACKWARD[packet]
+        usual, first_layer = _BACKWARD[packet]
+        return first_layer if first else usual
     if packet.endswith("_") and not packet.startswith("_"):
         return (0.0, 0.0)
     return (BACKWARD_FACTOR, BACKWARD_LAUNCHES)

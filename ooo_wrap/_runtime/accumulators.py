@@ -31,23 +31,28 @@ released.
 PyTorch has no public API to read or drop a leaf's cached accumulator, so both are done
 here, and only here: ``Tensor.data`` assignment drops it when the dtype changes
 (``VariableHooks::set_data``: "Resets gradient accumulator if metadata is out of date"),
-the node's recorded input shape (``Node._input_metadata``) tells a cached node from one
-made by the look-up itself, the look-ups run with the thread's dispatch modes set aside
-(``torch.utils._python_dispatch._disable_current_modes``), and none runs under a
-functorch transform (``torch._C._are_functorch_transforms_active``).
+the node's recorded input shape (``_compat.first_input_shape``) tells a cached node from
+one made by the look-up itself, the look-ups run with the thread's modes set aside
+(``_compat.modes_set_aside``), and none runs under a functorch transform
+(``_compat.functorch_transforms_active``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.autograd.graph import Node, get_gradient_edge
-from torch.utils._python_dispatch import _disable_current_modes
+
+from .._compat import (
+    first_input_shape,
+    functorch_transforms_active,
+    modes_set_aside,
+    node_metadata,
+)
 
 __all__ = ["Accumulators", "Layout"]
 
@@ -89,7 +94,9 @@ class Accumulators:
                     self._shared = True
         if self._shared or (layout == self._layout and not self._retry) or not _can_make_nodes():
             return
-        with self._lock, _unobserved():
+        # No mode sees the look-ups: they are no op of the model (a race checker or
+        # profiler mode would count them, and might keep their outputs).
+        with self._lock, modes_set_aside():
             if self._shared:
                 return
             # The previous switched forward's end() did not run (its root post-hook was
@@ -103,7 +110,7 @@ class Accumulators:
                     node = _cached(param)
                     if node is None:
                         continue
-                    metadata = _metadata(node)
+                    metadata = node_metadata(node)
                     owner = metadata.get(_KEY)
                     if owner is self._token and not metadata.get(_RAN, False):
                         # Its backward has not run yet: a graph this step builds on (two
@@ -123,7 +130,7 @@ class Accumulators:
         """After a forward that :meth:`begin` switched: mark the accumulators it made."""
         if not self._marking or not _can_make_nodes():
             return
-        with self._lock, _unobserved():
+        with self._lock, modes_set_aside():  # as in begin()
             self._marking = False
             if self._shared:
                 return
@@ -134,7 +141,7 @@ class Accumulators:
                     continue  # as in begin()
                 if node is None:
                     continue
-                metadata = _metadata(node)
+                metadata = node_metadata(node)
                 if metadata.setdefault(_KEY, self._token) is self._token and (_RAN not in metadata):
                     metadata[_RAN] = False
                     node.register_hook(_ran(metadata))
@@ -150,14 +157,6 @@ def _ran(metadata: dict[str, Any]) -> Any:
     return hook
 
 
-@contextlib.contextmanager
-def _unobserved() -> Iterator[None]:
-    """No dispatch or function mode sees the look-ups: they are no op of the model (a
-    race checker or profiler mode would count them, and might keep their outputs)."""
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
-        yield
-
-
 def _can_make_nodes() -> bool:
     """Whether this forward makes accumulators the wrapper may look up: not with gradients
     off, nor while ``torch.jit.trace`` records (the look-ups would be traced), nor under a
@@ -167,7 +166,7 @@ def _can_make_nodes() -> bool:
         torch.is_grad_enabled()
         and not torch.is_inference_mode_enabled()
         and not torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]
-        and not torch._C._are_functorch_transforms_active()
+        and not functorch_transforms_active()
     )
 
 
@@ -196,8 +195,7 @@ def _cached(param: nn.Parameter) -> Node | None:
         node = get_gradient_edge(param).node
     finally:
         param.data = data
-    metadata = cast(Any, node)._input_metadata
-    if metadata and tuple(metadata[0].shape) == tuple(data.shape):
+    if first_input_shape(node) == tuple(data.shape):
         return node
     _release(param)
     return None
@@ -215,9 +213,3 @@ def _release(param: nn.Parameter) -> None:
     other = torch.float32 if data.dtype == torch.float64 else torch.float64
     param.data = data.new_empty((0,), dtype=other)
     param.data = data
-
-
-def _metadata(node: Node) -> dict[str, Any]:
-    """The node's metadata dict (a property at runtime; torch's stubs declare a method)."""
-    metadata: dict[str, Any] = cast(Any, node).metadata
-    return metadata

@@ -66,21 +66,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-
-# TorchFunctionMode is public (torch.overrides), but a mode entered with ``with`` leaves by
-# popping the top of the thread's mode stack, whichever mode that is. Ours is put on and
-# taken off outside any ``with``, so it must never be on top of a user's mode, and the
-# stack has no public API to insert or remove below the top. These private functions (the
-# ones torch.overrides and torch.utils._device use to the same end) are used only here.
-from torch._C import (
-    _get_function_stack_at,
-    _len_torch_function_stack,
-    _pop_torch_function_stack,
-    _push_on_torch_function_stack,
-)
 from torch.overrides import TorchFunctionMode
 
-from .._compat import storage_id
+from .._compat import (
+    function_mode_position,
+    put_function_mode_under,
+    storage_id,
+    take_function_mode_off,
+)
 from .backend import Backend, Event, Stream
 from .inflight import Pending, StageRuntime, thread_state
 
@@ -262,7 +255,7 @@ def suspend() -> None:
     local = thread_state
     local.quiet += 1
     if local.mode is not None:
-        _take_off(local.mode)
+        take_function_mode_off(local.mode)
 
 
 def resume(level: int) -> None:
@@ -276,42 +269,6 @@ def resume(level: int) -> None:
     mode = local.mode
     if mode is None:
         mode = local.mode = JoinOnTouch()
-    elif _position(mode) is not None:
+    elif function_mode_position(mode) is not None:
         return
-    _put_under(mode)
-
-
-def _position(mode: object) -> int | None:
-    """Where ``mode`` is on this thread's mode stack (0: the bottom), if it is."""
-    for index in range(_len_torch_function_stack()):
-        if _get_function_stack_at(index) is mode:
-            return index
-    return None
-
-
-def _take_off(mode: object) -> None:
-    """Remove ``mode`` from the stack, leaving every other mode where it was."""
-    index = _position(mode)
-    if index is None:
-        return  # someone else took it off already
-    above = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack() - index)]
-    for other in reversed(above):
-        if other is not mode:
-            _push_on_torch_function_stack(other)
-
-
-def _put_under(mode: TorchFunctionMode) -> None:
-    """Push ``mode`` below every mode on the stack (but the default device's): a user's
-    ``with`` block then pops its own mode when it ends, and its ops reach ours after
-    its mode ran."""
-    depth = _len_torch_function_stack()
-    # ``torch.set_default_device`` keeps its mode at the very bottom (kept on the private
-    # ``torch._GLOBAL_DEVICE_CONTEXT``) and asserts it is there when the default changes:
-    # ours goes just above that one. A ``with torch.device(...)`` block's mode is pushed on
-    # top and popped from the top like a user's, so ours goes under it.
-    default = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
-    bottom = 1 if depth and default is not None and _get_function_stack_at(0) is default else 0
-    above = [_pop_torch_function_stack() for _ in range(depth - bottom)]
-    _push_on_torch_function_stack(mode)
-    for other in reversed(above):
-        _push_on_torch_function_stack(other)
+    put_function_mode_under(mode)

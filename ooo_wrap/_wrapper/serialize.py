@@ -39,6 +39,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._compat import MODULE_CHILDREN_KEY
 from .._errors import OOOConfigError, OOOError
 from .._events import EventKind, OOOEvent
 from .._planner.api import named_stages
@@ -143,7 +144,7 @@ def _on_paths(model: nn.Module, ours: dict[int, Any]) -> set[int]:
         if key not in leads:
             leads[key] = False  # while visiting: a tree that loops back counts once
             holds = any(id(value) in ours for value in vars(module).values())
-            below = [visit(child) for child in module._modules.values() if child is not None]
+            below = [visit(child) for child in module.children()]
             leads[key] = holds or any(below)
         return leads[key]
 
@@ -178,9 +179,9 @@ def _plain_copy_of(
                 if k not in markers or markers[k] is not None
             )
         plain[key] = value
-    children = plain.get("_modules")
+    children = plain.get(MODULE_CHILDREN_KEY)
     if isinstance(children, dict):
-        plain["_modules"] = type(children)(
+        plain[MODULE_CHILDREN_KEY] = type(children)(
             (name, _plain_view(child, ours, on_paths, views) if id(child) in on_paths else child)
             for name, child in children.items()
         )

@@ -107,26 +107,20 @@ def _watch_optimizer_steps() -> None:
         _optimizer_hook = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+@dataclass(eq=False, repr=False)
 class Tuner:
     """What the two root hooks of a tuning model do: time plain and planned steps, and say
     when the decision is made (the wrap state registers the hooks, after the scheduler's,
-    and applies the decision)."""
+    and applies the decision). ``steps``: counted steps per arm before deciding."""
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        backend: Backend,
-        log: EventLog,
-        device: torch.device,
-        clock: StepClock,
-        steps: int,
-    ) -> None:
-        self._scheduler = scheduler
-        self._backend = backend
-        self._log = log
-        self._device = device
-        self._clock = clock
-        self._steps = steps
+    scheduler: Scheduler
+    backend: Backend
+    log: EventLog
+    device: torch.device
+    clock: StepClock
+    steps: int
+
+    def __post_init__(self) -> None:
         self._closed: list[_Step] = []  # finished counted steps
         self._opened = 0  # training forwards seen, counted or not
         self._open: _Step | None = None
@@ -142,21 +136,21 @@ class Tuner:
         self._optimizer_steps_at_mark = _optimizer_steps
 
         # The tuner's pre-hook releases the accumulators, once it has chosen the arm.
-        scheduler.layout_by_tuner = True
+        self.scheduler.layout_by_tuner = True
 
     def close(self) -> None:
         """Its hooks are gone: give the turn away and leave the scheduler as it found it."""
         global _turn
         if _turn is not None and _turn() is self:
             _turn = None
-        self._scheduler.bypass_outside_forward = None
-        self._scheduler.layout_by_tuner = False
+        self.scheduler.bypass_outside_forward = None
+        self.scheduler.layout_by_tuner = False
 
     def record(self, decision: Decision = "pending") -> Tuning:
         """The tuning so far (step times read only from marks the device has passed)."""
         plan = tuple(s.ms for s in self._closed if s.arm == "plan" and s.ms is not None)
         plain = tuple(s.ms for s in self._closed if s.arm == "plain" and s.ms is not None)
-        return Tuning(decision, plan, plain, self._clock.device_name)
+        return Tuning(decision, plan, plain, self.clock.device_name)
 
     # --- hooks ----------------------------------------------------------------------
 
@@ -165,11 +159,11 @@ class Tuner:
         if torch.compiler.is_compiling():
             return
         calls = thread_state.calls
-        if not calls or calls[-1].module is not module or calls[-1].owner is not self._scheduler:
+        if not calls or calls[-1].module is not module or calls[-1].owner is not self.scheduler:
             return  # the scheduler's pre-hook did not open this call
         call = calls[-1]
         self._choose_arm(module, call, args, kwargs)
-        accumulators = self._scheduler.accumulators
+        accumulators = self.scheduler.accumulators
         if accumulators is not None and call.bypass != "no_grad":
             # Still before any op of the forward, now that the arm is known: release the
             # accumulators the previous forward made if it ran on other streams.
@@ -192,8 +186,8 @@ class Tuner:
         training = torch.is_grad_enabled()
         if training and not self._my_turn():
             return  # 6. another model is tuning: this one runs its plan, untimed
-        backend = self._backend
-        stream = backend.current_stream(self._device)
+        backend = self.backend
+        stream = backend.current_stream(self.device)
         if backend.is_capturing(stream):
             # 3. No timing event in a capture: the open step cannot be timed.
             if self._open is not None:
@@ -204,7 +198,7 @@ class Tuner:
         if not training:
             # 3. An evaluation forward: its marks cut it out of the open step.
             if self._open is not None:
-                self._open.marks.append(self._clock.mark(stream))
+                self._open.marks.append(self.clock.mark(stream))
             self._frames.append(_Frame(module, None))
             return
         step = self._open
@@ -218,7 +212,7 @@ class Tuner:
             self._frames.append(_Frame(module, step, plain=plain))
             return
         # 1. This mark ends the open step and starts a new one.
-        mark = self._clock.mark(stream)
+        mark = self.clock.mark(stream)
         self._optimizer_steps_at_mark = _optimizer_steps
         if step is not None:
             step.marks.append(mark)
@@ -230,7 +224,7 @@ class Tuner:
         if plain:
             call.bypass = Reason.TUNING  # 2. every stage call of this forward runs inline
         # 2. ...and a checkpoint's recomputation in this step's backward too.
-        self._scheduler.bypass_outside_forward = Reason.TUNING if plain else None
+        self.scheduler.bypass_outside_forward = Reason.TUNING if plain else None
         self._frames_plain = plain
         self._open = _Step(arm if arm in self._warmed else None, [mark])
         if arm is not None:
@@ -248,8 +242,8 @@ class Tuner:
             return "pending"
         if frame.step is None:
             if self._open is not None:  # else no step is open to cut it out of
-                stream = self._backend.current_stream(self._device)
-                self._open.marks.append(self._clock.mark(stream))
+                stream = self.backend.current_stream(self.device)
+                self._open.marks.append(self.clock.mark(stream))
             return "pending"
         if sys.exc_info()[1] is not frame.outer_exception:
             # 3. A forward that raised counts nothing; and nothing is decided while its
@@ -300,27 +294,27 @@ class Tuner:
         per_arm = min(sum(step.arm == arm for step in counted) for arm in ("plan", "plain"))
         # Also final after many forwards that mostly did not count (shapes that keep
         # changing, forwards that raise): tuning ends, on what it could measure.
-        final = per_arm >= MAX_ROUNDS * self._steps or self._opened >= 4 * MAX_ROUNDS * self._steps
+        final = per_arm >= MAX_ROUNDS * self.steps or self._opened >= 4 * MAX_ROUNDS * self.steps
         if final and counted and not self._synced:
             # 4. The one host sync of a tuning: wait for the last mark of the last step.
             self._synced = True
-            self._clock.synchronize(counted[-1].marks[-1])
+            self.clock.synchronize(counted[-1].marks[-1])
         for step in counted:
-            if step.ms is None and all(self._clock.done(mark) for mark in step.marks):
+            if step.ms is None and all(self.clock.done(mark) for mark in step.marks):
                 step.ms = self._elapsed(step.marks)
         record = self.record()
-        return decide(record.plan_ms, record.plain_ms, self._steps, final=final)
+        return decide(record.plan_ms, record.plain_ms, self.steps, final=final)
 
     def _elapsed(self, marks: list[Mark]) -> float:
         """The step's time: start to end, less each evaluation forward cut out."""
         pairs = zip(marks[0::2], marks[1::2], strict=True)
-        return sum(self._clock.elapsed_ms(start, end) for start, end in pairs)
+        return sum(self.clock.elapsed_ms(start, end) for start, end in pairs)
 
     def _report_capture(self) -> None:
         if self._capture_reported:
             return
         self._capture_reported = True
-        self._log.add(
+        self.log.add(
             OOOEvent(
                 EventKind.TUNED,
                 "not_finished",

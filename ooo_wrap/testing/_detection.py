@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 from torch.autograd.graph import Node
 
 from .._planner.cost import H200, ReferenceGPU, estimate_op
+from .._planner.intercept import OpArgs, OpKwargs, OpOverload
 from .._tensors import tensors_in
 from ._capture import SimulatedCapture
 from ._engine import AccumulatorMismatch, EngineModel
@@ -144,9 +145,9 @@ class Detection:
 
     def _on_op(
         self,
-        func: torch._ops.OpOverload,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
+        func: OpOverload,
+        args: OpArgs,
+        kwargs: OpKwargs,
         out: Any,
         before: list[int | None] | None,
     ) -> None:

@@ -58,12 +58,14 @@ import functools
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
+from .._compat import current_autograd_node, queue_engine_callback
+from .._planner.intercept import OpOverload
 from ._node_tags import NodeTag, NodeTags
 from ._ops import storage_key
 from ._simulated import VirtualStream
@@ -171,9 +173,7 @@ class EngineModel:
         """Tag the nodes of the last op's outputs, and release them."""
         self._tags.flush()
 
-    def accumulation_target(
-        self, func: torch._ops.OpOverload, keys: Iterable[int]
-    ) -> NodeTag | None:
+    def accumulation_target(self, func: OpOverload, keys: Iterable[int]) -> NodeTag | None:
         """The consumer node whose input buffer an op between two nodes accumulates into.
 
         The engine adds a second gradient for one input on the consumer's stream, after
@@ -190,7 +190,7 @@ class EngineModel:
                 return consumer
         return self._root_sum(func, read)
 
-    def _root_sum(self, func: torch._ops.OpOverload, read: set[int]) -> NodeTag | None:
+    def _root_sum(self, func: OpOverload, read: set[int]) -> NodeTag | None:
         """The root whose caller-given gradient this op sums with one just fed to it."""
         if func not in _SUMS or len(read) < 2 or not self._stack:
             return None
@@ -220,9 +220,7 @@ class EngineModel:
         no op ran since to tag it). Ops of a node that has finished (its gradients being
         summed into the next input buffers) start nothing.
         """
-        # The engine's running node: no public API names it (the profiler and
-        # torch.utils.checkpoint use the same private call).
-        node: Node | None = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is None:
             return
         tag = self._tags.get(node)
@@ -361,10 +359,9 @@ class EngineModel:
         caller = self._host.stream_now()
         frame = _Backward(caller, self._host.tracker.snapshot(caller), self._stage, nested=nested)
         self._stack.append(frame)
-        # The engine's own end-of-backward hook (what DDP and FSDP use): runs when this
-        # graph task finishes, where the engine syncs the caller with the leaf streams.
-        engine: Any = torch.autograd.Variable._execution_engine
-        engine.queue_callback(functools.partial(self._end, frame))
+        # Runs when this graph task finishes, where the engine syncs the caller with the
+        # leaf streams.
+        queue_engine_callback(functools.partial(self._end, frame))
         return frame
 
     def _end(self, frame: _Backward) -> None:

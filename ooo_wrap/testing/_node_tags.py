@@ -15,11 +15,11 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
 
 import torch
 from torch.autograd.graph import Node
 
+from .._compat import autograd_sequence_nr, node_metadata, node_sequence_nr
 from ._simulated import VirtualStream
 
 __all__ = ["NodeTag", "NodeTags"]
@@ -49,7 +49,7 @@ class NodeTags:
         # and stage (rule 8); nodes numbered before detection began are not matched.
         self._seqs: defaultdict[int, list[int]] = defaultdict(list)
         self._makers: defaultdict[int, list[tuple[VirtualStream, str | None]]] = defaultdict(list)
-        self._seq_start = {threading.get_ident(): torch._C._autograd._get_sequence_nr()}
+        self._seq_start = {threading.get_ident(): autograd_sequence_nr()}
 
     def created(
         self, outputs: list[torch.Tensor], stream: VirtualStream, stage: str | None
@@ -58,7 +58,7 @@ class NodeTags:
         returns, so they are tagged at the next op (kept alive until then)."""
         self.flush()
         thread = threading.get_ident()
-        self._seqs[thread].append(torch._C._autograd._get_sequence_nr())
+        self._seqs[thread].append(autograd_sequence_nr())
         self._makers[thread].append((stream, stage))
         if outputs:
             self._pending = (outputs, stream, stage)
@@ -76,7 +76,7 @@ class NodeTags:
 
     def get(self, node: Node) -> NodeTag | None:
         """The tag ``node`` was given here, if any."""
-        tag = _metadata(node).get(_TAG)
+        tag = node_metadata(node).get(_TAG)
         return tag if isinstance(tag, NodeTag) and tag.owner == id(self) else None
 
     def unseen(self, node: Node) -> NodeTag | None:
@@ -87,7 +87,7 @@ class NodeTags:
         """
         thread = threading.get_ident()
         seqs = self._seqs.get(thread)
-        number = node._sequence_nr()
+        number = node_sequence_nr(node)
         if not seqs or number < self._seq_start.get(thread, 0):
             return None
         i = bisect.bisect_right(seqs, number)
@@ -99,7 +99,7 @@ class NodeTags:
     def tag(self, node: Node, stream: VirtualStream, stage: str | None) -> NodeTag:
         """Tag ``node`` as made on ``stream`` (in ``stage``)."""
         tag = NodeTag(id(self), next(self._ids), stream, stage)
-        _metadata(node)[_TAG] = tag
+        node_metadata(node)[_TAG] = tag
         self._on_tag(node, tag)
         return tag
 
@@ -121,9 +121,3 @@ class NodeTags:
                 continue
             self.tag(node, stream, stage)
             stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-
-
-def _metadata(node: Node) -> dict[str, Any]:
-    """The node's metadata dict (a property at runtime; torch's stubs declare a method)."""
-    metadata: dict[str, Any] = cast(Any, node).metadata
-    return metadata

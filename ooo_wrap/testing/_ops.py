@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .._compat import storage_address, storage_tensor
+from .._planner.intercept import OpArgs, OpKwargs, OpOverload
 from .._planner.schema import arguments, declared_writes
 from .._tensors import tensors_in
 
@@ -112,9 +113,7 @@ _SYNCS_IF: Mapping[str, Callable[[Sequence[Any], Mapping[str, Any]], bool]] = {
 }
 
 
-def host_sync(
-    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> str | None:
+def host_sync(func: OpOverload, args: OpArgs, kwargs: OpKwargs) -> str | None:
     """Why the op makes the host wait for the device on a GPU, or ``None`` (see above)."""
     name = str(func)
     why = HOST_SYNCS.get(name)
@@ -179,14 +178,12 @@ def storage_key(tensor: torch.Tensor) -> int | None:
     return storage_address(tensor)
 
 
-def is_view_only(func: torch._ops.OpOverload) -> bool:
+def is_view_only(func: OpOverload) -> bool:
     """Whether ``func`` only makes a view: no kernel, no allocation."""
     return func.is_view and func._schema.name != _LIFT
 
 
-def written_keys(
-    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> list[int | None] | None:
+def written_keys(func: OpOverload, args: OpArgs, kwargs: OpKwargs) -> list[int | None] | None:
     """Storages of the arguments ``func`` writes, before it runs (``None``: it writes none).
 
     An op may give a written argument new memory (``out=`` resizing, ``resize_``): the
@@ -198,9 +195,9 @@ def written_keys(
 
 
 def tensor_uses(
-    func: torch._ops.OpOverload,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
+    func: OpOverload,
+    args: OpArgs,
+    kwargs: OpKwargs,
     out: Any,
     before: Sequence[int | None] | None = None,
 ) -> list[TensorUse]:

@@ -16,11 +16,12 @@ at the price of reporting such pairs, as the CUDA Stream Sanitizer (whole storag
 
 from __future__ import annotations
 
-import enum
 import sys
 from collections.abc import Hashable, KeysView, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
+
+from .._events import ValueEnum
 
 __all__ = [
     "WHOLE",
@@ -44,15 +45,12 @@ WHOLE: Span = (0, sys.maxsize)
 Phase: TypeAlias = Literal["forward", "backward", "step"]
 
 
-class RaceKind(enum.Enum):
+class RaceKind(ValueEnum):
     """How two unordered accesses to one storage conflict."""
 
     READ_AFTER_WRITE = "read-after-write"
     WRITE_AFTER_READ = "write-after-read"
     WRITE_AFTER_WRITE = "write-after-write"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,9 @@ def test_with_the_join_mode_pushed_on_top_a_user_mode_block_pops_it(
     user's ``with`` block pops it, and the parent reads stage ``a`` unjoined."""
     depth = torch._C._len_torch_function_stack()
     assert _check(om.UserModeAround).ok
-    monkeypatch.setattr(_deferred, "_put_under", torch._C._push_on_torch_function_stack)
+    monkeypatch.setattr(
+        _deferred, "put_function_mode_under", torch._C._push_on_torch_function_stack
+    )
     try:
         report = _check(om.UserModeAround)
     finally:
