@@ -205,9 +205,11 @@ class SimulatedBackend:
     def record_event(
         self, stream: VirtualStream, event: VirtualEvent | None = None
     ) -> VirtualEvent:
-        # A re-recorded event is modelled as a new one: it marks a new point on
-        # ``stream``, and waits queued before keep the point they saw.
-        event = VirtualEvent(next(self._event_ids), stream)
+        # A re-recorded event is the same event, as on CUDA: it now marks the new point,
+        # waits queued before keep the point they saw, and a wait queued after sees the
+        # new one (a join left pending on a reused event would wait on a later record).
+        if event is None or event.stream != stream:
+            event = VirtualEvent(next(self._event_ids), stream)
         self._call("record_event", stream, event)
         return event
 
