@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -28,6 +28,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = [
     "MODULE_CHILDREN_KEY",
+    "ModeArgs",
+    "ModeFunc",
+    "ModeKwargs",
+    "ModeTypes",
     "autograd_sequence_nr",
     "current_autograd_node",
     "first_input_shape",
@@ -313,6 +317,13 @@ def functorch_transforms_active() -> bool:
 # ``with``, so it must never be on top of a user's mode, and the stack has no public API
 # to insert or remove below the top. The private ``torch._C`` stack functions imported
 # above are the ones ``torch.overrides`` and ``torch.utils._device`` use to the same end.
+
+
+# The parameters of ``TorchFunctionMode.__torch_function__``, which every mode declares.
+ModeFunc = Callable[..., Any]
+ModeTypes = Sequence[type]
+ModeArgs = Sequence[Any]
+ModeKwargs = Mapping[str, Any] | None
 
 
 def function_mode_position(mode: object) -> int | None:

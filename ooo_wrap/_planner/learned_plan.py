@@ -68,7 +68,8 @@ class StageEdge:
 
 @dataclass(frozen=True)
 class EdgeCount:
-    """Stage-to-stage dataflow edges of one forward: all, across streams, splitting a chain."""
+    """Stage-to-stage dataflow edges of one forward: all of them, those across streams, and
+    those that split a chain (an edge across streams between two links of one chain)."""
 
     edges: int
     cross_stream: int

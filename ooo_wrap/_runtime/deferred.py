@@ -62,13 +62,16 @@ deeper, which includes every inner stage whose output it can reach.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .._compat import (
+    ModeArgs,
+    ModeFunc,
+    ModeKwargs,
+    ModeTypes,
     function_mode_position,
     put_function_mode_under,
     storage_id,
@@ -96,11 +99,7 @@ class JoinOnTouch(TorchFunctionMode):
     """4c. Joins every join pending at the current level before any torch operation there."""
 
     def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
+        self, func: ModeFunc, types: ModeTypes, args: ModeArgs = (), kwargs: ModeKwargs = None
     ) -> Any:
         local = thread_state
         pending = local.pending

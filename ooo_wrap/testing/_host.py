@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .._compat import ModeArgs, ModeFunc, ModeKwargs, ModeTypes
+
 __all__ = ["HostReads"]
 
 # Tensor method -> the name its host read is recorded as (a key of ``_ops.HOST_SYNCS``).
@@ -60,11 +62,7 @@ class HostReads(TorchFunctionMode):
         self._device_checks = device_checks
 
     def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
+        self, func: ModeFunc, types: ModeTypes, args: ModeArgs = (), kwargs: ModeKwargs = None
     ) -> Any:
         kwargs = kwargs or {}
         name = _READS.get(func)

@@ -34,7 +34,10 @@ class VirtualStream:
 
 @dataclass(frozen=True)
 class VirtualEvent:
-    """A simulated event: marks the work queued on ``stream`` when it was recorded."""
+    """A simulated event: marks the work queued on ``stream`` when it was last recorded.
+
+    Recording it again on ``stream`` moves it, as a CUDA event: waits queued before keep
+    the point they saw, and a wait queued after sees the new one."""
 
     id: int
     stream: VirtualStream
