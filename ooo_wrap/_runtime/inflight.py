@@ -64,6 +64,7 @@ class StageRuntime:
     __slots__ = (
         "device",
         "device_type",
+        "frame",
         "index",
         "module",
         "name",
@@ -87,19 +88,23 @@ class StageRuntime:
         # Under autocast, this stage as run on the stream of another stage it shares a
         # weight with (see pair_tied_stages); None when it shares none.
         self.twin: StageRuntime | None = None
+        # Its frame, reused from call to call by the thread that made it (see Frame). Kept
+        # here, not per thread, so that it goes with the stage: a dropped model is freed
+        # whichever threads ran it.
+        self.frame: Frame | None = None
 
 
 class Frame:
     """One stage call in flight on this thread; ``ambient is None`` when bypassed.
 
-    A forked call uses its stage's frame on this thread (``ThreadState.stage_frames``),
-    kept from call to call with the stage's fork and join events: creating an event costs
-    a driver call, and a frame an allocation, on every stage call. Each call sets what is
-    its own, and its post-hook clears what would keep the call's objects alive. Per
-    thread: each event record is followed at once by its wait, so within a thread a
-    re-record never moves a pending wait (a queued wait keeps the state it saw), but
-    another thread's could. ``busy`` while on the stack: a stage called again inside
-    itself gets a fresh frame.
+    A forked call reuses its stage's frame (``StageRuntime.frame``) with the stage's fork
+    and join events: creating an event costs a driver call, and a frame an allocation, on
+    every stage call. Only the thread that made the frame reuses it (``thread``); a call on
+    another thread, or a stage called again inside itself (``busy``), gets a fresh one.
+    Each call sets what is its own (the module too), and its post-hook clears what would
+    keep the call's objects alive. Within a thread each event record is followed at once by
+    its wait, so a re-record never moves a wait already queued; a join left pending takes
+    its event away with it (``DeferredScheduler``), so the next call records a fresh one.
     """
 
     # ``profile_range`` is set and read only by ProfiledScheduler's hooks, and ``versions``
@@ -115,13 +120,15 @@ class Frame:
         "outer_exception",
         "profile_range",
         "stage",
+        "thread",
         "versions",
     )
     versions: list[int]  # the inputs' version counters at the call (deferred joins)
 
     def __init__(self, stage: StageRuntime, module: nn.Module) -> None:
         self.stage = stage
-        self.module = module
+        self.module: nn.Module | None = module  # while the call is in flight
+        self.thread = threading.get_ident()
         self.ambient: Stream | None = None  # the caller's stream, while forked
         self.fork: Event | None = None
         self.join: Event | None = None
@@ -197,10 +204,6 @@ class ThreadState(threading.local):
     def __init__(self) -> None:
         self.frames: list[Frame] = []  # stage calls in flight, innermost last
         self.calls: list[RootCall] = []  # root calls in flight, innermost last
-        # Each stage's frame, reused with its events (see Frame), and each scheduler's
-        # root events, one per side stream, reused the same way (step 5).
-        self.stage_frames: dict[StageRuntime, Frame] = {}
-        self.root_events: dict[object, list[Event | None]] = {}
         # Inside a checkpoint's unpack hook (it may recompute): the (backend, device) of
         # each stage call run there (recompute.py); None elsewhere.
         self.recomputing: list[tuple[Backend, torch.device]] | None = None
@@ -242,6 +245,7 @@ def pair_tied_stages(model: nn.Module, stages: Sequence[StageRuntime]) -> bool:
         if lead is not stage and lead.stream_index != stage.stream_index:
             twin = copy.copy(stage)
             twin.stream, twin.stream_index, twin.twin = lead.stream, lead.stream_index, None
+            twin.frame = None
             stage.twin = twin
             paired = True
     return paired

@@ -97,5 +97,6 @@ class DeferredScheduler(Scheduler):
                 blind or frame.blind,
             )
         ):
+            frame.join = None  # the pending join keeps this record; the next call makes its own
             return
         super()._join(frame, event, outputs, blind)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from threading import get_ident
 from typing import Any, NoReturn, SupportsIndex
 
 import torch
@@ -24,7 +25,7 @@ from .._plan import Plan
 from .._stats import Counters
 from . import reports
 from .accumulators import Accumulators
-from .backend import Backend, Stream
+from .backend import Backend, Event, Stream
 from .bypass import eager_bypass_reason
 from .inflight import RootCall, StageRuntime, handled_exception, thread_state
 from .stale import drop_stale_calls
@@ -55,6 +56,10 @@ class RootHooks:
         self._unseen_reported: set[tuple[str, str]] = set()
         self._not_called_reported: set[str] = set()
         self._tied_weights = False  # some stages share a parameter; set by install()
+        # The root's events of step 5, one per side stream, reused (as a stage's frame is)
+        # by the thread that made this scheduler's first root call.
+        self._root_events: list[Event | None] = [None] * len(self._streams)
+        self._root_thread: int | None = None
         # Set inside compiled code, where the log can't be written. A constant store: a
         # counter read and bumped there would be guarded on, and recompile every call.
         self.ran_compiled = False
@@ -80,16 +85,13 @@ class RootHooks:
         )
 
     def release(self) -> None:
-        """Forget this thread's reused frames and events of the stages and the root (its
-        hooks are gone): they would keep the scheduler, its streams and its log alive for
-        as long as the thread."""
-        local = thread_state
-        local.root_events.pop(self, None)
-        stage_frames = local.stage_frames
+        """Drop the reused frames and events of the stages and the root (its hooks are
+        gone), so that nothing keeps the events or a call's objects."""
+        self._root_events = [None] * len(self._streams)
         for stage in self._stages:
-            stage_frames.pop(stage, None)
+            stage.frame = None
             if stage.twin is not None:
-                stage_frames.pop(stage.twin, None)
+                stage.twin.frame = None
 
     def sync_compiled_events(self) -> None:
         """Move bypass counts taken inside compiled code into the event log."""
@@ -170,9 +172,11 @@ class RootHooks:
             return
         backend = self._backend
         current = backend.current_stream(self._device)
-        events = local.root_events.get(self)
-        if events is None:
-            events = local.root_events[self] = [None] * len(self._streams)
+        # Reused by the thread that first ran a forward (see Frame); fresh on any other.
+        thread = get_ident()
+        if self._root_thread is None:
+            self._root_thread = thread
+        events = self._root_events if self._root_thread == thread else [None] * len(self._streams)
         for index, stream in enumerate(self._streams):
             if used[index]:
                 # 5. The caller's stream waits on all the call's stage streams.

@@ -65,6 +65,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -182,11 +183,13 @@ class Scheduler(RootHooks):
                 except RuntimeError:
                     _record_storage(backend, tensor, stream)
                 recorded += 1
-        frame = local.stage_frames.get(stage)
+        frame = stage.frame
         if frame is None:
-            frame = local.stage_frames[stage] = Frame(stage, module)
-        elif frame.busy:
-            frame = Frame(stage, module)  # the stage runs already, and calls itself
+            frame = stage.frame = Frame(stage, module)
+        elif frame.busy or frame.thread != get_ident():
+            frame = Frame(stage, module)  # it runs already (calls itself), or another thread's
+        else:
+            frame.module = module
         # 1. s waits on everything queued on ambient so far.
         frame.fork = fork = backend.record_event(ambient, frame.fork)
         backend.wait_event(stream, fork)
@@ -246,6 +249,7 @@ class Scheduler(RootHooks):
         outer_exception = frame.outer_exception
         frame.outer_exception = None  # the reused frame must not keep them alive
         frame.inputs = NO_INPUTS
+        frame.module = None
         error = handled_exception()
         # A checkpoint that stops recomputing early raises through the stage on purpose.
         if (
