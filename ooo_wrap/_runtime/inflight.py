@@ -141,9 +141,11 @@ class RootCall:
         "bypass",
         "called",
         "first_pending",
+        "frames",
         "module",
         "owner",
         "ran_inline",
+        "stage_frames",
         "used",
     )
 
@@ -152,7 +154,7 @@ class RootCall:
         owner: Owner,
         module: nn.Module,
         bypass: str | None,
-        first_pending: int,
+        local: ThreadState,
         stages: int,
         streams: int,
     ) -> None:
@@ -161,12 +163,16 @@ class RootCall:
         # Why every stage call of it runs inline, decided once at the root (the
         # scheduler's _root_bypass), or None; a tuner may set it before any stage runs.
         self.bypass = bypass
-        self.first_pending = first_pending  # joins pending before it: not its to end
+        self.first_pending = len(local.pending)  # joins pending before it: not its to end
         # By stage index, whether it ran on its stream; by stream index, whether a stage
         # ran on it. Flags, not sets: a store per stage call, never a resize.
         self.called = [False] * stages
         self.used = [False] * streams
         self.ran_inline = False  # some stage call was bypassed (ran on the caller's stream)
+        # The calling thread's ``frames`` and ``stage_frames`` (the same objects, never
+        # replaced): a stage hook inside the call reads them here, not per thread.
+        self.frames = local.frames
+        self.stage_frames = local.stage_frames
 
 
 class Pending:
@@ -195,6 +201,8 @@ class ThreadState(threading.local):
     """
 
     def __init__(self) -> None:
+        # ``frames``, ``calls`` and ``stage_frames`` are changed in place, never replaced:
+        # each RootCall keeps the first and the last for the stage hooks inside it.
         self.frames: list[Frame] = []  # stage calls in flight, innermost last
         self.calls: list[RootCall] = []  # root calls in flight, innermost last
         # Each stage's frame, reused with its events (see Frame), and each scheduler's

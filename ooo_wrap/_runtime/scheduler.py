@@ -125,16 +125,19 @@ class Scheduler(RootHooks):
         if is_compiling():
             return  # inline in the compiled graph; the root pre-hook noted it
         local = thread_state
-        frames = local.frames
         calls = local.calls
         if calls:
             call = calls[-1]
             if call.owner is not self:
                 return  # another wrapped model's call reached a module we share with it
+            # The thread's own lists, kept on its root call: a read of ``thread_state``
+            # costs a look-up of the thread's dictionary, a slot read does not.
+            frames, stage_frames = call.frames, call.stage_frames
             reason = call.bypass
-        elif frames and frames[-1].module is module and frames[-1].stage.owner is not self:
-            return  # outside any forward, a model sharing this module already forked
         else:  # outside any root call: a checkpoint recomputing it in backward, a direct call
+            frames, stage_frames = local.frames, local.stage_frames
+            if frames and frames[-1].module is module and frames[-1].stage.owner is not self:
+                return  # a model sharing this module already forked
             reason = eager_bypass_reason() or self.bypass_outside_forward
         backend = self._backend
         recomputing = local.recomputing
@@ -191,9 +194,9 @@ class Scheduler(RootHooks):
                     except RuntimeError:
                         _record_storage(backend, tensor, stream)
                     recorded += 1
-        frame = local.stage_frames.get(stage)
+        frame = stage_frames.get(stage)
         if frame is None:
-            frame = local.stage_frames[stage] = Frame(stage, module)
+            frame = stage_frames[stage] = Frame(stage, module)
         elif frame.busy:
             frame = Frame(stage, module)  # the stage runs already, and calls itself
         # 1. s waits on everything queued on ambient so far.

@@ -8,6 +8,7 @@ counter.
 
 from __future__ import annotations
 
+import threading
 from collections import namedtuple
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import OOOStats
+from ooo_wrap._runtime import inflight
 from ooo_wrap._tensors import _OBJECT_DEPTH, _collect, tensors_in
 from ooo_wrap.testing import SimulatedBackend, VirtualStream
 
@@ -116,3 +118,44 @@ def test_the_flat_tuple_shortcut_finds_what_the_search_finds(value: tuple[object
     assert type(found) is list  # a fresh list: the scheduler may extend it
     found.append(torch.zeros(1))
     assert [id(t) for t in tensors_in(built)] == [id(t) for t in searched]
+
+
+class ListsProbe(nn.Module):
+    """Records, inside its forward, whether the innermost root call's lists are the
+    thread's own (the stage hooks read them there instead of from the thread state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = inflight.thread_state
+        call = local.calls[-1]
+        self.seen.append(call.frames is local.frames and call.stage_frames is local.stage_frames)
+        self.seen.append(local.frames[-1] is local.stage_frames[local.frames[-1].stage])
+        return x * self.weight
+
+
+class ProbeChain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = ListsProbe()
+        self.b = ListsProbe()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_root_call_holds_its_own_threads_lists() -> None:
+    model = ProbeChain()
+    ooo_wrap.OOOModule(model, backend=SimulatedBackend(), planner="static", stages=["a", "b"])
+    x = torch.ones(2)
+    model(x)
+    thread = threading.Thread(target=model, args=(x,))
+    thread.start()
+    thread.join()
+    model(x)
+    assert model.a.seen == model.b.seen == [True] * 6
+    assert model.stats.stage_calls == 6
+    assert inflight.thread_state.frames == [] and inflight.thread_state.calls == []
