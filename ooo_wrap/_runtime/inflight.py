@@ -145,7 +145,6 @@ class RootCall:
         "module",
         "owner",
         "ran_inline",
-        "stage_frames",
         "used",
     )
 
@@ -169,10 +168,9 @@ class RootCall:
         self.called = [False] * stages
         self.used = [False] * streams
         self.ran_inline = False  # some stage call was bypassed (ran on the caller's stream)
-        # The calling thread's ``frames`` and ``stage_frames`` (the same objects, never
-        # replaced): a stage hook inside the call reads them here, not per thread.
+        # The calling thread's ``frames`` (the same list, never replaced): a stage hook
+        # inside the call reads it here, not through the thread state.
         self.frames = local.frames
-        self.stage_frames = local.stage_frames
 
 
 class Pending:
@@ -201,8 +199,8 @@ class ThreadState(threading.local):
     """
 
     def __init__(self) -> None:
-        # ``frames``, ``calls`` and ``stage_frames`` are changed in place, never replaced:
-        # each RootCall keeps the first and the last for the stage hooks inside it.
+        # ``frames`` and ``calls`` are changed in place, never replaced: each RootCall
+        # keeps a reference to ``frames`` for the stage hooks inside it.
         self.frames: list[Frame] = []  # stage calls in flight, innermost last
         self.calls: list[RootCall] = []  # root calls in flight, innermost last
         # Each stage's frame, reused with its events (see Frame), and each scheduler's

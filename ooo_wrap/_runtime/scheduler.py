@@ -130,12 +130,12 @@ class Scheduler(RootHooks):
             call = calls[-1]
             if call.owner is not self:
                 return  # another wrapped model's call reached a module we share with it
-            # The thread's own lists, kept on its root call: a read of ``thread_state``
+            # The thread's own list, kept on its root call: a read of ``thread_state``
             # costs a look-up of the thread's dictionary, a slot read does not.
-            frames, stage_frames = call.frames, call.stage_frames
+            frames = call.frames
             reason = call.bypass
         else:  # outside any root call: a checkpoint recomputing it in backward, a direct call
-            frames, stage_frames = local.frames, local.stage_frames
+            frames = local.frames
             if frames and frames[-1].module is module and frames[-1].stage.owner is not self:
                 return  # a model sharing this module already forked
             reason = eager_bypass_reason() or self.bypass_outside_forward
@@ -194,9 +194,9 @@ class Scheduler(RootHooks):
                     except RuntimeError:
                         _record_storage(backend, tensor, stream)
                     recorded += 1
-        frame = stage_frames.get(stage)
+        frame = local.stage_frames.get(stage)
         if frame is None:
-            frame = stage_frames[stage] = Frame(stage, module)
+            frame = local.stage_frames[stage] = Frame(stage, module)
         elif frame.busy:
             frame = Frame(stage, module)  # the stage runs already, and calls itself
         # 1. s waits on everything queued on ambient so far.
