@@ -201,40 +201,55 @@ def _time_forwards(model: nn.Module, x: torch.Tensor, calls: int) -> float:
 
 
 def measure(
-    repeats: int = 30, calls: int = 200, warmup: int = 200, *, profile_ranges: bool = False
+    repeats: int = 30,
+    calls: int = 200,
+    warmup: int = 200,
+    *,
+    profile_ranges: bool = False,
+    empty_hooks: bool = False,
 ) -> dict[str, float]:
-    """Median µs per forward (plain, wrapped, with :class:`EmptyHooks`), µs added per stage
-    call by the wrapper's hooks and by the empty ones, and the median ratio of the two."""
+    """Median µs per forward (plain, wrapped) and µs added per stage call.
+
+    With ``empty_hooks``, a third side hooked with :class:`EmptyHooks` is timed in the same
+    interleaving, adding its µs per forward, the µs those add per stage call, and the
+    median of the per-repeat ratios wrapped / empty (the keys without it are the ones
+    ``benchmarks/suite.py`` records)."""
     plain = Chain()
-    wrapped = ooo_wrap.OOOModule(
-        copy.deepcopy(plain),
-        backend=NullBackend(),
-        profile_ranges=profile_ranges,
-        planner="static",
-    )
-    empty = EmptyHooks().install(copy.deepcopy(plain))
-    x = torch.ones(1)
-    for model in (plain, wrapped, empty):
-        _time_forwards(model, x, warmup)
-    plain_us, wrapped_us, empty_us, added_us, empty_added_us, ratios = [], [], [], [], [], []
-    for _ in range(repeats):  # interleaved, so drift hits every side alike
-        a = _time_forwards(plain, x, calls) / calls * 1e6
-        b = _time_forwards(wrapped, x, calls) / calls * 1e6
-        c = _time_forwards(empty, x, calls) / calls * 1e6
-        plain_us.append(a)
-        wrapped_us.append(b)
-        empty_us.append(c)
-        added_us.append((b - a) / NUM_STAGES)
-        empty_added_us.append((c - a) / NUM_STAGES)
-        ratios.append((b - a) / (c - a))
-    return {
-        "plain_us_per_forward": statistics.median(plain_us),
-        "wrapped_us_per_forward": statistics.median(wrapped_us),
-        "empty_hooks_us_per_forward": statistics.median(empty_us),
-        "added_us_per_stage_call": statistics.median(added_us),
-        "empty_hooks_us_per_stage_call": statistics.median(empty_added_us),
-        "ratio_to_empty_hooks": statistics.median(ratios),
+    sides: dict[str, nn.Module] = {
+        "plain": plain,
+        "wrapped": ooo_wrap.OOOModule(
+            copy.deepcopy(plain),
+            backend=NullBackend(),
+            profile_ranges=profile_ranges,
+            planner="static",
+        ),
     }
+    if empty_hooks:
+        sides["empty_hooks"] = EmptyHooks().install(copy.deepcopy(plain))
+    x = torch.ones(1)
+    for model in sides.values():
+        _time_forwards(model, x, warmup)
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for _ in range(repeats):  # interleaved, so drift hits every side alike
+        for side, model in sides.items():
+            times[side].append(_time_forwards(model, x, calls) / calls * 1e6)
+    added = {
+        side: [(t - p) / NUM_STAGES for t, p in zip(times[side], times["plain"], strict=True)]
+        for side in sides
+        if side != "plain"
+    }
+    result = {
+        "plain_us_per_forward": statistics.median(times["plain"]),
+        "wrapped_us_per_forward": statistics.median(times["wrapped"]),
+        "added_us_per_stage_call": statistics.median(added["wrapped"]),
+    }
+    if empty_hooks:
+        result["empty_hooks_us_per_forward"] = statistics.median(times["empty_hooks"])
+        result["empty_hooks_us_per_stage_call"] = statistics.median(added["empty_hooks"])
+        result["ratio_to_empty_hooks"] = statistics.median(
+            w / e for w, e in zip(added["wrapped"], added["empty_hooks"], strict=True)
+        )
+    return result
 
 
 class NullClock:
@@ -502,7 +517,7 @@ def main() -> None:
                 f"  ({row['plain_us_per_forward']:.1f})"
             )
         return
-    result = measure(args.repeats, args.calls, profile_ranges=args.profile_ranges)
+    result = measure(args.repeats, args.calls, profile_ranges=args.profile_ranges, empty_hooks=True)
     print(f"torch {torch.__version__}, {NUM_STAGES} stages, median of {args.repeats} repeats")
     print(f"plain forward:   {result['plain_us_per_forward']:8.1f} µs")
     print(f"wrapped forward: {result['wrapped_us_per_forward']:8.1f} µs")
