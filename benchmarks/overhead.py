@@ -4,8 +4,13 @@ Run: ``python benchmarks/overhead.py``. A model of 24 tiny tensor-in/tensor-out 
 run plain and wrapped (with :class:`NullBackend`, whose stream calls do nothing),
 interleaved in one process after a warm-up; the median over repeats of
 ``(wrapped - plain) / 24`` is the Python cost the hooks add to one stage call (the root
-hooks' cost included, spread over the stages). Device stream calls come on top of this on
-a GPU and are not measured here; instead :class:`CountingBackend` counts them: backend
+hooks' cost included, spread over the stages). Beside them, :class:`EmptyHooks` registers
+hooks that do nothing in the wrapper's layout (root pre/post, and per stage a pre/post
+``functools.partial``): the µs those add per stage call is what PyTorch charges for calling
+hooks at all, and the ratio of the two (target: at most 2x) measures the wrapper's own hook
+code against it; ``--compare-with`` reports the empty hooks too. Device stream calls come
+on top of this on a GPU and are not measured here; instead :class:`CountingBackend` counts
+them: backend
 calls per stage call, by method, and how many of its event records create a new event.
 These use ``planner="static"``, so that every one of the 24 stages forks from the start.
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import functools
 import importlib.util
 import inspect
 import pathlib
@@ -151,6 +157,42 @@ MODELS: dict[str, type[Chain]] = {
 }
 
 
+class EmptyHooks:
+    """Hooks that do nothing, registered as the wrapper registers its own: the yardstick
+    for the wrapper's hooks.
+
+    The same layout as ``Scheduler.install``: a root pre-hook (``with_kwargs``,
+    ``prepend``) and post-hook (``with_kwargs``, ``always_call``), and on each stage a
+    pre-hook and a post-hook (``always_call``), each a ``functools.partial`` of a function
+    with the hook object and the stage bound. What PyTorch spends calling hooks at all is
+    in this figure; what the wrapper's hooks add on top of it is theirs.
+    """
+
+    def root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        pass
+
+    def root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        pass
+
+    def stage_pre_hook(self, stage: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        pass
+
+    def stage_post_hook(
+        self, stage: int, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
+        pass
+
+    def install(self, model: Chain) -> Chain:
+        model.register_forward_pre_hook(self.root_pre_hook, with_kwargs=True, prepend=True)
+        model.register_forward_hook(self.root_post_hook, with_kwargs=True, always_call=True)
+        for index, stage in enumerate(model.stages):
+            pre = functools.partial(EmptyHooks.stage_pre_hook, self, index)
+            stage.register_forward_pre_hook(pre, with_kwargs=True)
+            post = functools.partial(EmptyHooks.stage_post_hook, self, index)
+            stage.register_forward_hook(post, with_kwargs=True, always_call=True)
+        return model
+
+
 def _time_forwards(model: nn.Module, x: torch.Tensor, calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
@@ -159,31 +201,55 @@ def _time_forwards(model: nn.Module, x: torch.Tensor, calls: int) -> float:
 
 
 def measure(
-    repeats: int = 30, calls: int = 200, warmup: int = 200, *, profile_ranges: bool = False
+    repeats: int = 30,
+    calls: int = 200,
+    warmup: int = 200,
+    *,
+    profile_ranges: bool = False,
+    empty_hooks: bool = False,
 ) -> dict[str, float]:
-    """Median µs per forward (plain, wrapped) and µs added per stage call."""
+    """Median µs per forward (plain, wrapped) and µs added per stage call.
+
+    With ``empty_hooks``, a third side hooked with :class:`EmptyHooks` is timed in the same
+    interleaving, adding its µs per forward, the µs those add per stage call, and the
+    median of the per-repeat ratios wrapped / empty (the keys without it are the ones
+    ``benchmarks/suite.py`` records)."""
     plain = Chain()
-    wrapped = ooo_wrap.OOOModule(
-        copy.deepcopy(plain),
-        backend=NullBackend(),
-        profile_ranges=profile_ranges,
-        planner="static",
-    )
-    x = torch.ones(1)
-    _time_forwards(plain, x, warmup)
-    _time_forwards(wrapped, x, warmup)
-    plain_us, wrapped_us, added_us = [], [], []
-    for _ in range(repeats):  # interleaved A/B, so drift hits both sides alike
-        a = _time_forwards(plain, x, calls) / calls * 1e6
-        b = _time_forwards(wrapped, x, calls) / calls * 1e6
-        plain_us.append(a)
-        wrapped_us.append(b)
-        added_us.append((b - a) / NUM_STAGES)
-    return {
-        "plain_us_per_forward": statistics.median(plain_us),
-        "wrapped_us_per_forward": statistics.median(wrapped_us),
-        "added_us_per_stage_call": statistics.median(added_us),
+    sides: dict[str, nn.Module] = {
+        "plain": plain,
+        "wrapped": ooo_wrap.OOOModule(
+            copy.deepcopy(plain),
+            backend=NullBackend(),
+            profile_ranges=profile_ranges,
+            planner="static",
+        ),
     }
+    if empty_hooks:
+        sides["empty_hooks"] = EmptyHooks().install(copy.deepcopy(plain))
+    x = torch.ones(1)
+    for model in sides.values():
+        _time_forwards(model, x, warmup)
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for _ in range(repeats):  # interleaved, so drift hits every side alike
+        for side, model in sides.items():
+            times[side].append(_time_forwards(model, x, calls) / calls * 1e6)
+    added = {
+        side: [(t - p) / NUM_STAGES for t, p in zip(times[side], times["plain"], strict=True)]
+        for side in sides
+        if side != "plain"
+    }
+    result = {
+        "plain_us_per_forward": statistics.median(times["plain"]),
+        "wrapped_us_per_forward": statistics.median(times["wrapped"]),
+        "added_us_per_stage_call": statistics.median(added["wrapped"]),
+    }
+    if empty_hooks:
+        result["empty_hooks_us_per_forward"] = statistics.median(times["empty_hooks"])
+        result["empty_hooks_us_per_stage_call"] = statistics.median(added["empty_hooks"])
+        result["ratio_to_empty_hooks"] = statistics.median(
+            w / e for w, e in zip(added["wrapped"], added["empty_hooks"], strict=True)
+        )
+    return result
 
 
 class NullClock:
@@ -375,6 +441,7 @@ def compare(other_root: str, repeats: int = 60, calls: int = 100) -> dict[str, f
         "plain": plain,
         "this": ooo_wrap.OOOModule(copy.deepcopy(plain), backend=NullBackend(), planner="static"),
         "other": _wrap_static(other, copy.deepcopy(plain)),
+        "empty": EmptyHooks().install(copy.deepcopy(plain)),
     }
     x = torch.ones(1)
     for model in models.values():
@@ -387,9 +454,13 @@ def compare(other_root: str, repeats: int = 60, calls: int = 100) -> dict[str, f
         name: statistics.median(
             (t - p) / NUM_STAGES for t, p in zip(times[name], times["plain"], strict=True)
         )
-        for name in ("this", "other")
+        for name in ("this", "other", "empty")
     }
-    return {"this_us_per_stage_call": added["this"], "other_us_per_stage_call": added["other"]}
+    return {
+        "this_us_per_stage_call": added["this"],
+        "other_us_per_stage_call": added["other"],
+        "empty_hooks_us_per_stage_call": added["empty"],
+    }
 
 
 def main() -> None:
@@ -428,9 +499,11 @@ def main() -> None:
         return
     if args.compare_with:
         both = compare(args.compare_with, args.repeats, args.calls)
+        this, empty = both["this_us_per_stage_call"], both["empty_hooks_us_per_stage_call"]
         print(
-            f"added per stage call: this {both['this_us_per_stage_call']:.2f} µs, "
-            f"{args.compare_with} {both['other_us_per_stage_call']:.2f} µs"
+            f"added per stage call: this {this:.2f} µs, "
+            f"{args.compare_with} {both['other_us_per_stage_call']:.2f} µs, "
+            f"empty hooks of the same layout {empty:.2f} µs (this / empty: {this / empty:.2f}x)"
         )
         return
     if args.overlap_forward:
@@ -444,11 +517,17 @@ def main() -> None:
                 f"  ({row['plain_us_per_forward']:.1f})"
             )
         return
-    result = measure(args.repeats, args.calls, profile_ranges=args.profile_ranges)
+    result = measure(args.repeats, args.calls, profile_ranges=args.profile_ranges, empty_hooks=True)
     print(f"torch {torch.__version__}, {NUM_STAGES} stages, median of {args.repeats} repeats")
     print(f"plain forward:   {result['plain_us_per_forward']:8.1f} µs")
     print(f"wrapped forward: {result['wrapped_us_per_forward']:8.1f} µs")
+    print(f"empty hooks:     {result['empty_hooks_us_per_forward']:8.1f} µs (same layout)")
     print(f"added per stage call: {result['added_us_per_stage_call']:.2f} µs (target <= 10 µs)")
+    print(
+        f"empty hooks of the same layout, per stage call: "
+        f"{result['empty_hooks_us_per_stage_call']:.2f} µs; wrapped / empty: "
+        f"{result['ratio_to_empty_hooks']:.2f}x (target <= 2x)"
+    )
     calls = count_backend_calls()
     detail = ", ".join(f"{k} {v:.2f}" for k, v in calls.items() if k not in ("total", "new_event"))
     print(f"backend calls per stage call: {calls['total']:.2f} ({detail})")

@@ -37,8 +37,14 @@ def tensors_in(value: Any, unseen: list[str] | None = None) -> list[torch.Tensor
     """
     if isinstance(value, _Tensor):
         return [value]
-    if type(value) is tuple and all(isinstance(item, _Tensor) for item in value):
-        return list(value)
+    if type(value) is tuple:
+        # A plain loop, not ``all()`` over a generator: that one builds a generator and
+        # resumes it per item, several times this loop's cost on a short tuple.
+        for item in value:
+            if not isinstance(item, _Tensor):
+                break
+        else:
+            return list(value)
     found: list[torch.Tensor] = []
     _collect(value, found, unseen, _OBJECT_DEPTH, set())
     return found

@@ -148,6 +148,7 @@ class RootCall:
         "bypass",
         "called",
         "first_pending",
+        "frames",
         "module",
         "owner",
         "ran_inline",
@@ -159,7 +160,7 @@ class RootCall:
         owner: Owner,
         module: nn.Module,
         bypass: str | None,
-        first_pending: int,
+        local: ThreadState,
         stages: int,
         streams: int,
     ) -> None:
@@ -168,12 +169,15 @@ class RootCall:
         # Why every stage call of it runs inline, decided once at the root (the
         # scheduler's _root_bypass), or None; a tuner may set it before any stage runs.
         self.bypass = bypass
-        self.first_pending = first_pending  # joins pending before it: not its to end
+        self.first_pending = len(local.pending)  # joins pending before it: not its to end
         # By stage index, whether it ran on its stream; by stream index, whether a stage
         # ran on it. Flags, not sets: a store per stage call, never a resize.
         self.called = [False] * stages
         self.used = [False] * streams
         self.ran_inline = False  # some stage call was bypassed (ran on the caller's stream)
+        # The calling thread's ``frames`` (the same list, never replaced): a stage hook
+        # inside the call reads it here, not through the thread state.
+        self.frames = local.frames
 
 
 class Pending:
@@ -202,6 +206,8 @@ class ThreadState(threading.local):
     """
 
     def __init__(self) -> None:
+        # ``frames`` and ``calls`` are changed in place, never replaced: each RootCall
+        # keeps a reference to ``frames`` for the stage hooks inside it.
         self.frames: list[Frame] = []  # stage calls in flight, innermost last
         self.calls: list[RootCall] = []  # root calls in flight, innermost last
         # Inside a checkpoint's unpack hook (it may recompute): the (backend, device) of

@@ -142,7 +142,7 @@ class RootHooks:
             self,
             module,
             self._root_bypass(),
-            len(local.pending),
+            local,
             len(self._stages),
             len(self._streams),
         )

@@ -126,16 +126,19 @@ class Scheduler(RootHooks):
         if is_compiling():
             return  # inline in the compiled graph; the root pre-hook noted it
         local = thread_state
-        frames = local.frames
         calls = local.calls
         if calls:
             call = calls[-1]
             if call.owner is not self:
                 return  # another wrapped model's call reached a module we share with it
+            # The thread's own list, kept on its root call: a read of ``thread_state``
+            # costs a look-up of the thread's dictionary, a slot read does not.
+            frames = call.frames
             reason = call.bypass
-        elif frames and frames[-1].module is module and frames[-1].stage.owner is not self:
-            return  # outside any forward, a model sharing this module already forked
         else:  # outside any root call: a checkpoint recomputing it in backward, a direct call
+            frames = local.frames
+            if frames and frames[-1].module is module and frames[-1].stage.owner is not self:
+                return  # a model sharing this module already forked
             reason = eager_bypass_reason() or self.bypass_outside_forward
         backend = self._backend
         recomputing = local.recomputing
@@ -171,18 +174,27 @@ class Scheduler(RootHooks):
         # Before step 1's event, which must cover it (see the module docstring).
         arg = args[0] if len(args) == 1 else args  # a tuple's tensors are its items'
         if isinstance(arg, Tensor) and not kwargs:
-            inputs, blind = [arg], False  # the common case, without a search
+            # The common case, without a search or a loop (the loop below does the same).
+            inputs, blind = [arg], False
+            if arg.device == device:
+                try:
+                    backend.record_stream(arg, stream)
+                except RuntimeError:
+                    _record_storage(backend, arg, stream)
+                recorded = 1
+            else:
+                recorded = 0
         else:  # ``blind``: some input tensors may be missing from ``inputs``
             inputs, blind = self._search(stage, arg, kwargs)
-        # Inline here and in the post-hook (a helper call would cost a third of the loop).
-        recorded = 0
-        for tensor in inputs:
-            if tensor.device == device:  # other devices' allocators never see ``stream``
-                try:
-                    backend.record_stream(tensor, stream)
-                except RuntimeError:
-                    _record_storage(backend, tensor, stream)
-                recorded += 1
+            # Inline here and in the post-hook (a helper call would cost a third of the loop).
+            recorded = 0
+            for tensor in inputs:
+                if tensor.device == device:  # other devices' allocators never see ``stream``
+                    try:
+                        backend.record_stream(tensor, stream)
+                    except RuntimeError:
+                        _record_storage(backend, tensor, stream)
+                    recorded += 1
         frame = stage.frame
         if frame is None:
             frame = stage.frame = Frame(stage, module)
@@ -228,19 +240,27 @@ class Scheduler(RootHooks):
             try:
                 # 4. Outputs are read on ambient from now on; e then marks all the stage's
                 # work, record_stream included (see step 2 for why that order).
-                if isinstance(output, Tensor):
+                if isinstance(output, Tensor):  # as the pre-hook's common case
                     outputs, blind = [output], False
+                    if output.device == stage.device:
+                        try:
+                            backend.record_stream(output, ambient)
+                        except RuntimeError:
+                            _record_storage(backend, output, ambient)
+                        recorded = 1
+                    else:
+                        recorded = 0
                 else:
                     outputs, blind = self._search(stage, output, None)
-                device = stage.device
-                recorded = 0
-                for tensor in outputs:
-                    if tensor.device == device:
-                        try:
-                            backend.record_stream(tensor, ambient)
-                        except RuntimeError:
-                            _record_storage(backend, tensor, ambient)
-                        recorded += 1
+                    device = stage.device
+                    recorded = 0
+                    for tensor in outputs:
+                        if tensor.device == device:
+                            try:
+                                backend.record_stream(tensor, ambient)
+                            except RuntimeError:
+                                _record_storage(backend, tensor, ambient)
+                            recorded += 1
                 frame.join = event = backend.record_event(stage.stream, frame.join)
             finally:
                 backend.set_stream(ambient)
