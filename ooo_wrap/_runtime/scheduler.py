@@ -174,27 +174,18 @@ class Scheduler(RootHooks):
         # Before step 1's event, which must cover it (see the module docstring).
         arg = args[0] if len(args) == 1 else args  # a tuple's tensors are its items'
         if isinstance(arg, Tensor) and not kwargs:
-            # The common case, without a search or a loop (the loop below does the same).
-            inputs, blind = [arg], False
-            if arg.device == device:
-                try:
-                    backend.record_stream(arg, stream)
-                except RuntimeError:
-                    _record_storage(backend, arg, stream)
-                recorded = 1
-            else:
-                recorded = 0
+            inputs, blind = [arg], False  # the common case, without a search
         else:  # ``blind``: some input tensors may be missing from ``inputs``
             inputs, blind = self._search(stage, arg, kwargs)
-            # Inline here and in the post-hook (a helper call would cost a third of the loop).
-            recorded = 0
-            for tensor in inputs:
-                if tensor.device == device:  # other devices' allocators never see ``stream``
-                    try:
-                        backend.record_stream(tensor, stream)
-                    except RuntimeError:
-                        _record_storage(backend, tensor, stream)
-                    recorded += 1
+        # Inline here and in the post-hook (a helper call would cost a third of the loop).
+        recorded = 0
+        for tensor in inputs:
+            if tensor.device == device:  # other devices' allocators never see ``stream``
+                try:
+                    backend.record_stream(tensor, stream)
+                except RuntimeError:
+                    _record_storage(backend, tensor, stream)
+                recorded += 1
         frame = stage.frame
         if frame is None:
             frame = stage.frame = Frame(stage, module)
@@ -242,25 +233,17 @@ class Scheduler(RootHooks):
                 # work, record_stream included (see step 2 for why that order).
                 if isinstance(output, Tensor):  # as the pre-hook's common case
                     outputs, blind = [output], False
-                    if output.device == stage.device:
-                        try:
-                            backend.record_stream(output, ambient)
-                        except RuntimeError:
-                            _record_storage(backend, output, ambient)
-                        recorded = 1
-                    else:
-                        recorded = 0
                 else:
                     outputs, blind = self._search(stage, output, None)
-                    device = stage.device
-                    recorded = 0
-                    for tensor in outputs:
-                        if tensor.device == device:
-                            try:
-                                backend.record_stream(tensor, ambient)
-                            except RuntimeError:
-                                _record_storage(backend, tensor, ambient)
-                            recorded += 1
+                device = stage.device
+                recorded = 0
+                for tensor in outputs:
+                    if tensor.device == device:
+                        try:
+                            backend.record_stream(tensor, ambient)
+                        except RuntimeError:
+                            _record_storage(backend, tensor, ambient)
+                        recorded += 1
                 frame.join = event = backend.record_event(stage.stream, frame.join)
             finally:
                 backend.set_stream(ambient)

@@ -46,7 +46,7 @@ class VirtualEvent:
         return f"event{self.id}@{self.stream}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per backend call: the log holds many
 class StreamCall:
     """One call the scheduler made on the backend.
 
