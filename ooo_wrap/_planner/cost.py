@@ -22,7 +22,7 @@ Views and metadata ops (``func.is_view``, ``empty``, ``size``, ``lift_fresh``, .
 no kernel: they cost 0 and ``launches`` is False. The host issues ops one at a time,
 ``launch_us`` each; moving a stage to a side stream and back costs the host
 ``fork_join_us``. Concurrent kernels are not modelled here; callers that overlap them
-decide how (``_simulate`` shares the GPU among them by occupancy).
+decide how (``simulate`` shares the GPU among them by occupancy).
 
 API (stable)::
 

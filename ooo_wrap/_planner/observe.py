@@ -1,6 +1,6 @@
 """Watch one forward: the call tree of a model's modules, and what each op reads and writes.
 
-Ops are seen through ``_intercept.OpInterceptor``, the dispatch mode the race checker uses
+Ops are seen through ``intercept.OpInterceptor``, the dispatch mode the race checker uses
 too; module calls through ordinary forward hooks.
 
 The record is a call tree, not a module tree: a module called twice appears twice. Each call
@@ -43,7 +43,7 @@ class ObservedOp:
     writes: tuple[StorageKey, ...]  # existing storages written in place (or ``out=``)
     fresh: tuple[StorageKey, ...]  # storages the op allocated (and wrote)
     device_us: float
-    occupancy: float = 1.0  # fraction of the GPU its kernel fills (``_cost.OpCost``)
+    occupancy: float = 1.0  # fraction of the GPU its kernel fills (``cost.OpCost``)
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def _uses(
     func: OpOverload, args: OpArgs, kwargs: OpKwargs, out: Any
 ) -> tuple[list[StorageKey], list[StorageKey], list[StorageKey]]:
     """(reads, in-place writes, fresh allocations) of one op, from its schema and the
-    writes schemas leave out (``_schema.arguments``)."""
+    writes schemas leave out (``schema.arguments``)."""
     if func.is_view:  # a view launches no kernel and allocates nothing
         return [], [], []
     # Per storage, whether the op writes it: one passed both ways (``add(x, y, out=x)``) is.

@@ -3,7 +3,7 @@
 Two assigners, both pure functions of an observed :class:`~ooo_wrap._planner.observe.CallRecord`:
 
 * :func:`assign_regions` walks the call tree from the root. Every call is decomposed into
-  chains and branches (``_regions``); a group of branches that
+  chains and branches (``regions``); a group of branches that
   :meth:`~ooo_wrap._planner.regions.RegionRule.choose` accepts is a region. Its heaviest
   branch stays on the caller's stream (unless the region is in ``moved``), the others get
   distinct side streams while there are free ones, and when there are more branches than

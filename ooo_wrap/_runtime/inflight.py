@@ -107,8 +107,8 @@ class Frame:
     its event away with it (``DeferredScheduler``), so the next call records a fresh one.
     """
 
-    # ``profile_range`` is set and read only by ProfiledScheduler's hooks, and ``versions``
-    # only by DeferredScheduler's, so plain frames never pay for them.
+    # ``versions`` is set and read only by DeferredScheduler's hooks, so plain frames never
+    # pay for it; ``profile_range`` is None except between ProfiledScheduler's hooks.
     __slots__ = (
         "ambient",
         "blind",
@@ -182,7 +182,8 @@ class RootCall:
 
 class Pending:
     """A stage call whose caller's stream has not yet waited on its join event (step 4b
-    of the protocol, ``deferred.py``). The backend, counters and device are the stage's."""
+    of the protocol in ``scheduler.py``; the mechanism is ``deferred.py``). The backend,
+    counters and device are the stage's."""
 
     __slots__ = ("ambient", "done", "event", "level", "stage")
 

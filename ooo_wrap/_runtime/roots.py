@@ -57,7 +57,7 @@ class RootHooks:
         self._not_called_reported: set[str] = set()
         self._tied_weights = False  # some stages share a parameter; set by install()
         # The root's events of step 5, one per side stream, reused (as a stage's frame is)
-        # by the thread that made this scheduler's first root call.
+        # by the thread whose root call first used a side stream.
         self._root_events: list[Event | None] = [None] * len(self._streams)
         self._root_thread: int | None = None
         # Set inside compiled code, where the log can't be written. A constant store: a
@@ -172,7 +172,8 @@ class RootHooks:
             return
         backend = self._backend
         current = backend.current_stream(self._device)
-        # Reused by the thread that first ran a forward (see Frame); fresh on any other.
+        # Reused by the thread whose forward first used a side stream (see Frame); fresh
+        # on any other.
         thread = get_ident()
         if self._root_thread is None:
             self._root_thread = thread

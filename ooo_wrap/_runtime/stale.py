@@ -46,7 +46,7 @@ def drop_stale_calls(root: nn.Module | None) -> None:
     del local.frames[len(local.frames) - len(stale_frames) :]
     for frame in stale_frames:
         frame.busy = False  # a stage's reused frame is free again
-        frame.outer_exception, frame.inputs = None, NO_INPUTS
+        frame.outer_exception, frame.inputs, frame.module = None, NO_INPUTS, None
     if outermost is not None:
         outermost.stage.owner._backend.set_stream(outermost.ambient)  # step 4's restore
     _deferred.join_pending(len(local.frames))  # what they left pending (step 4c)

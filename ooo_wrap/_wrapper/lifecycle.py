@@ -19,8 +19,9 @@ From outside: ``replan()`` moves any other phase to ``LEARNING``; ``retune()`` m
 ``unwrap()`` moves any phase to ``UNWRAPPED``. Those three are refused inside a forward of
 the model and change nothing then. A transition that adds hooks and fails removes what it
 added and leaves the phase as it was before them (``replan()`` has taken the old hooks off
-by then, so a failure there leaves the model ``STOPPED``, running plain). A wrap state never refers to its model (the hooks
-are passed it), so the registry keyed weakly by the model keeps nothing alive.
+by then, so a failure there leaves the model ``STOPPED``, running plain). A wrap state
+never refers to its model (the hooks are passed it), so the registry keyed weakly by the
+model keeps nothing alive.
 """
 
 from __future__ import annotations
