@@ -200,6 +200,25 @@ def _time_forwards(model: nn.Module, x: torch.Tensor, calls: int) -> float:
     return time.perf_counter() - start
 
 
+def _interleaved(
+    sides: dict[str, nn.Module], x: torch.Tensor, warmup: int, repeats: int, calls: int
+) -> dict[str, list[float]]:
+    """µs per forward of each side, per repeat: warmed up apart, then timed interleaved, so
+    drift hits every side alike."""
+    for model in sides.values():
+        _time_forwards(model, x, warmup)
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for _ in range(repeats):
+        for side, model in sides.items():
+            times[side].append(_time_forwards(model, x, calls) / calls * 1e6)
+    return times
+
+
+def _added_per_stage_call(times: dict[str, list[float]], side: str) -> list[float]:
+    """Per repeat, the µs ``side`` adds to the plain forward per stage call."""
+    return [(t - p) / NUM_STAGES for t, p in zip(times[side], times["plain"], strict=True)]
+
+
 def measure(
     repeats: int = 30,
     calls: int = 200,
@@ -226,18 +245,8 @@ def measure(
     }
     if empty_hooks:
         sides["empty_hooks"] = EmptyHooks().install(copy.deepcopy(plain))
-    x = torch.ones(1)
-    for model in sides.values():
-        _time_forwards(model, x, warmup)
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    for _ in range(repeats):  # interleaved, so drift hits every side alike
-        for side, model in sides.items():
-            times[side].append(_time_forwards(model, x, calls) / calls * 1e6)
-    added = {
-        side: [(t - p) / NUM_STAGES for t, p in zip(times[side], times["plain"], strict=True)]
-        for side in sides
-        if side != "plain"
-    }
+    times = _interleaved(sides, torch.ones(1), warmup, repeats, calls)
+    added = {side: _added_per_stage_call(times, side) for side in sides if side != "plain"}
     result = {
         "plain_us_per_forward": statistics.median(times["plain"]),
         "wrapped_us_per_forward": statistics.median(times["wrapped"]),
@@ -334,18 +343,12 @@ def measure_overlap(repeats: int = 30, calls: int = 200, warmup: int = 200) -> d
     results: dict[str, Any] = {}
     x = torch.ones(1)
     for name, factory in MODELS.items():
-        sides = overlap_sides(factory())
-        for model in sides.values():
-            _time_forwards(model, x, warmup)
-        times: dict[str, list[float]] = {side: [] for side in sides}
-        for _ in range(repeats):  # interleaved, so drift hits every side alike
-            for side, model in sides.items():
-                times[side].append(_time_forwards(model, x, calls) / calls * 1e6)
+        times = _interleaved(overlap_sides(factory()), x, warmup, repeats, calls)
         results[name] = {
             "plain_us_per_forward": statistics.median(times["plain"]),
             **{
                 f"{side}_added_us_per_stage_call": statistics.median(
-                    (t - p) / NUM_STAGES for t, p in zip(times[side], times["plain"], strict=True)
+                    _added_per_stage_call(times, side)
                 )
                 for side in ("eager", "overlap")
             },
@@ -443,17 +446,9 @@ def compare(other_root: str, repeats: int = 60, calls: int = 100) -> dict[str, f
         "other": _wrap_static(other, copy.deepcopy(plain)),
         "empty": EmptyHooks().install(copy.deepcopy(plain)),
     }
-    x = torch.ones(1)
-    for model in models.values():
-        _time_forwards(model, x, calls)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(repeats):  # interleaved, so drift hits every side alike
-        for name, model in models.items():
-            times[name].append(_time_forwards(model, x, calls) / calls * 1e6)
+    times = _interleaved(models, torch.ones(1), calls, repeats, calls)
     added = {
-        name: statistics.median(
-            (t - p) / NUM_STAGES for t, p in zip(times[name], times["plain"], strict=True)
-        )
+        name: statistics.median(_added_per_stage_call(times, name))
         for name in ("this", "other", "empty")
     }
     return {
