@@ -15,7 +15,8 @@ from ._planner.api import plan
 from ._planner.cost import H200, ReferenceGPU
 from ._runtime.bypass import disabled
 from ._stats import OOOStats
-from ._wrapper.module import OOOModule, events_for, unwrap
+from ._wrapper.module import OOOModule, unwrap
+from ._wrapper.registry import events_for
 from ._wrapper.tuning import Tuning
 
 __all__ = [

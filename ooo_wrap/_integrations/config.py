@@ -12,7 +12,8 @@ from torch import nn
 from .._errors import OOOConfigError, did_you_mean
 from .._plan import check_streams
 from .._runtime.backend import Backend
-from .._wrapper.module import OOOModule, record_fallback
+from .._wrapper.fallback import record_fallback
+from .._wrapper.module import OOOModule
 from .._wrapper.options import check_backend, check_planner
 
 __all__ = ["from_config"]

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._errors import OOOConfigError
-from .._wrapper.module import is_wrapped, mark_graphed, plan_pending, root_hooks_lifted, stage_of
+from .._wrapper.registry import is_wrapped, mark_graphed, plan_pending, root_hooks_lifted, stage_of
 
 __all__ = ["make_graphed_callables"]
 

@@ -30,33 +30,11 @@ from .fallback import record_fallback, refuse_nested, what_to_install
 from .lifecycle import WrapState
 from .options import Planner, Tune, WrapOptions
 from .registry import detached as _detached
-from .registry import (
-    events_for,
-    is_wrapped,
-    mark_graphed,
-    plan_pending,
-    root_hooks_lifted,
-    runs_plain,
-    stage_of,
-)
 from .registry import wrapped as _wrapped
 from .serialize import new_instance, plain_deepcopy, plain_state, put_in_place, take_markers
 from .tuning import Tuning
 
-# The integrations and testing layers import the registry's queries and record_fallback
-# from here, with the public names.
-__all__ = [
-    "OOOModule",
-    "events_for",
-    "is_wrapped",
-    "mark_graphed",
-    "plan_pending",
-    "record_fallback",
-    "root_hooks_lifted",
-    "runs_plain",
-    "stage_of",
-    "unwrap",
-]
+__all__ = ["OOOModule", "unwrap"]
 
 
 class OOOModule(nn.Module):

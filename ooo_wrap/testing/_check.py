@@ -19,8 +19,9 @@ from .._plan import plural
 from .._planner.cost import H200, GPULike, as_reference_gpu
 from .._planner.learned_plan import learned_of
 from .._tensors import map_leaves, named_tensors
-from .._wrapper.module import OOOModule, events_for, runs_plain
+from .._wrapper.module import OOOModule
 from .._wrapper.options import Planner
+from .._wrapper.registry import events_for, runs_plain
 from ._detect import DetectingBackend, detect
 from ._detection import Detection
 from ._engine import CHECKED_TORCH

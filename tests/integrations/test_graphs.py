@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 import ooo_wrap
 from ooo_wrap._compat import forward_hook_dicts
 from ooo_wrap._planner import api as planner_api
-from ooo_wrap._wrapper import module as _wrap
+from ooo_wrap._wrapper import registry
 from ooo_wrap.testing import SimulatedBackend
 from tests.support.models import Towers, hook_count
 
@@ -221,7 +221,7 @@ def test_the_lift_takes_only_the_root_hooks_off_and_puts_them_back_exactly() -> 
     plain, model = _model_with_user_hooks()
     before = _ordered_hooks(model)
     x = torch.randn(5, DIM)
-    with _wrap.root_hooks_lifted(model):
+    with registry.root_hooks_lifted(model):
         lifted = _ordered_hooks(model)
         assert [len(hooks) for hooks in lifted[""]] == [1, 0, 1, 0, 0]  # the caller's only
         assert {k: v for k, v in lifted.items() if k} == {k: v for k, v in before.items() if k}
@@ -243,7 +243,7 @@ def test_the_lift_takes_only_the_root_hooks_off_and_puts_them_back_exactly() -> 
 def test_the_lift_puts_the_hooks_back_when_the_block_raises() -> None:
     _, model = _model_with_user_hooks()
     before = _ordered_hooks(model)
-    with pytest.raises(KeyError, match="inside"), _wrap.root_hooks_lifted(model):
+    with pytest.raises(KeyError, match="inside"), registry.root_hooks_lifted(model):
         raise KeyError("inside")
     assert _ordered_hooks(model) == before
 
@@ -263,7 +263,7 @@ def test_the_lift_puts_the_hooks_back_when_removing_one_fails(
         real_remove(handle)
 
     monkeypatch.setattr(RemovableHandle, "remove", remove_once)
-    with pytest.raises(RuntimeError, match="remove failed"), _wrap.root_hooks_lifted(model):
+    with pytest.raises(RuntimeError, match="remove failed"), registry.root_hooks_lifted(model):
         pytest.fail("the block must not run")
     assert removed and _ordered_hooks(model) == before
 
@@ -271,13 +271,13 @@ def test_the_lift_puts_the_hooks_back_when_removing_one_fails(
 def test_the_lift_keeps_hooks_the_block_adds_and_is_a_no_op_on_a_plain_model() -> None:
     _, model = _model_with_user_hooks()
     before = _ordered_hooks(model)
-    with _wrap.root_hooks_lifted(model):
+    with registry.root_hooks_lifted(model):
         added = model.register_forward_hook(lambda module, args, output: None)
     after = _ordered_hooks(model)
     assert after[""][2][:-1] == before[""][2] and after[""][2][-1][0] == added.id
     plain = Towers()
     plain_before = _ordered_hooks(plain)
-    with _wrap.root_hooks_lifted(plain):
+    with registry.root_hooks_lifted(plain):
         pass
     assert _ordered_hooks(plain) == plain_before
 

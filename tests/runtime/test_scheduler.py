@@ -19,7 +19,7 @@ import ooo_wrap.testing
 from ooo_wrap import EventKind, OOOStats
 from ooo_wrap._runtime import inflight
 from ooo_wrap._wrapper.classswap import _classes
-from ooo_wrap._wrapper.module import _wrapped
+from ooo_wrap._wrapper.registry import wrapped as _wrapped
 from ooo_wrap.testing import SimulatedBackend, StreamCall, VirtualEvent, VirtualStream
 from tests.support.models import (
     CalledInExcept,

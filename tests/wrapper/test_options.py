@@ -6,8 +6,8 @@ import pytest
 from torch import nn
 
 import ooo_wrap
-from ooo_wrap._wrapper.module import _wrapped
 from ooo_wrap._wrapper.options import WrapOptions
+from ooo_wrap._wrapper.registry import wrapped as _wrapped
 from ooo_wrap.testing import SimulatedBackend
 
 

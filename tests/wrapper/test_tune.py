@@ -642,7 +642,7 @@ def test_retuning_leaves_no_old_scheduler_alive() -> None:
 
 
 def test_a_forward_replaying_a_graph_stops_tuning() -> None:
-    from ooo_wrap._wrapper.module import mark_graphed
+    from ooo_wrap._wrapper.registry import mark_graphed
 
     model, _ = wrap(planned_ms(8.0, 10.0))
     train(model, 3)
