@@ -2,7 +2,7 @@
 
 A bypassed stage call runs where its caller runs, with no stream switch, event or
 ``record_stream``; the scheduler counts it in ``stats.bypasses`` and reports each reason
-once as a ``BYPASSED`` event with the message below.
+once as a ``BYPASSED`` event with its message from ``_reasons.MESSAGES``.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ from collections.abc import Iterator
 
 import torch
 
-from .._reasons import MESSAGES, Reason
+from .._reasons import Reason
 from .inflight import thread_state
 
-__all__ = ["BYPASS_MESSAGES", "disabled", "eager_bypass_reason"]
-
-# The one table of reason messages (_reasons.py), under the name the scheduler reads.
-BYPASS_MESSAGES = MESSAGES
+__all__ = ["disabled", "eager_bypass_reason"]
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .._events import EventKind, OOOEvent
-from .bypass import BYPASS_MESSAGES
+from .._reasons import MESSAGES
 from .inflight import StageRuntime
 
 __all__ = ["bypassed", "interrupted", "not_called", "stage_failed", "untracked"]
@@ -116,4 +116,4 @@ def interrupted() -> OOOEvent:
 
 def bypassed(reason: str, count: int = 1) -> OOOEvent:
     """Stage calls ran inline on the caller's stream for ``reason`` (``bypass.py``)."""
-    return OOOEvent(EventKind.BYPASSED, reason, BYPASS_MESSAGES[reason], count=count)
+    return OOOEvent(EventKind.BYPASSED, reason, MESSAGES[reason], count=count)
