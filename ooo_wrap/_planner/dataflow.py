@@ -195,23 +195,40 @@ def _decide(
 ) -> tuple[RegionWalk, dict[str, int], StepEstimate, tuple[RejectedRegion, ...], list[str]]:
     """Keep each region only where the simulated step pays for it (the module doc).
 
-    Regions are tried one at a time in the order found, each region's heaviest branch on
-    the caller's stream: the step is simulated without the region, and the region is
-    dropped unless it saves what it must. Then, in each region kept, the step is simulated
-    with its heaviest branch on a side stream too; it moves only if that is faster (else it
-    stays, one fork/join fewer). A plan no faster than one stream keeps no stage.
+    Regions are tried one at a time in the order found (outer before inner), each
+    region's heaviest branch on the caller's stream, in up to two forms: as placed, and
+    with the cheap links of its leaving branches as stages too (kept only if faster: a
+    link left inline on the caller's stream can hold up the backward queued there).
+
+    * The step is simulated without the region; the region is dropped unless it saves
+      what it must.
+    * Where regions lie inside its branches, it is also simulated without them. If that
+      is faster (their streams are taken from the concurrent branches), it is kept alone
+      if it saves what it must against the step with neither, and each inner region is
+      then taken back only if it still pays.
+
+    Then, in each region kept, the step is simulated with its heaviest branch on a side
+    stream too; it moves only if that is faster (else it stays, one fork/join fewer). A
+    plan no faster than one stream keeps no stage.
     """
     serial = simulate(step_ops(record, {}, gpu, one_stream=True)).length_us
 
-    def trial(vetoed: frozenset[RegionKey], moved: frozenset[RegionKey]) -> _Trial:
-        walk = assign_regions(record, streams, gpu, vetoed, moved)
+    def trial(
+        vetoed: frozenset[RegionKey], moved: frozenset[RegionKey], linked: frozenset[RegionKey]
+    ) -> _Trial:
+        walk = assign_regions(record, streams, gpu, vetoed, moved, linked)
         wanted, ids, notes = _placed(record, walk)
         us = simulate(step_ops(record, ids, gpu)).length_us if ids else serial
-        return _Trial(walk, wanted, ids, notes, us)
+        return _Trial(walk, wanted, ids, notes, us, vetoed, linked)
 
-    vetoed: frozenset[RegionKey] = frozenset()
+    def linking(plain: _Trial, key: RegionKey) -> _Trial:
+        """``plain``, or it with region ``key``'s cheap links as stages if that is faster."""
+        joined = trial(plain.vetoed, moved, plain.linked | {key})
+        faster = joined.ids != plain.ids and joined.us < plain.us - MIN_GAIN_US
+        return joined if faster else plain
+
     moved: frozenset[RegionKey] = frozenset()
-    best = trial(vetoed, moved)
+    best = trial(frozenset(), moved, frozenset())
     placements: dict[RegionKey, tuple[float, float]] = {}  # step: heaviest on caller, on side
     tried: set[RegionKey] = set()
     rejected: list[RejectedRegion] = []
@@ -221,15 +238,33 @@ def _decide(
             break
         region = todo[0]
         tried.add(region.key)
-        without = trial(vetoed | {region.key}, moved)
-        region_us = sum(b.device_us for b in region.branches) * (1 + BACKWARD_FACTOR)
-        needed = max(MIN_GAIN_US, MIN_GAIN_FRACTION * region_us)
-        if without.us - best.us >= needed:
+        vetoed, linked = best.vetoed, best.linked
+        kept = linking(best, region.key)
+        without = trial(vetoed | {region.key}, moved, linked)
+        needed = _needed(region)
+        inner = _nested(record, region, best.walk.regions)
+        alone = linking(trial(vetoed | inner, moved, linked), region.key) if inner else None
+        if alone is not None and alone.us < min(kept.us, without.us) - MIN_GAIN_US:
+            neither = trial(vetoed | inner | {region.key}, moved, linked)
+            if neither.us - alone.us >= needed:
+                best = alone
+                for inside in [r for r in kept.walk.regions if r.key in inner]:
+                    tried.add(inside.key)
+                    back = linking(
+                        trial(best.vetoed - {inside.key}, moved, best.linked), inside.key
+                    )
+                    if best.us - back.us >= _needed(inside):
+                        best = back
+                    else:
+                        rejected.append(RejectedRegion(inside, back.us, best.us, _needed(inside)))
+                continue
+        if without.us - kept.us >= needed:
+            best = kept
             continue
-        rejected.append(RejectedRegion(region, best.us, without.us, needed))
-        vetoed, best = vetoed | {region.key}, without
+        rejected.append(RejectedRegion(region, kept.us, without.us, needed))
+        best = without
     for key in [r.key for r in best.walk.regions] if judge else []:
-        side = trial(vetoed, moved | {key})
+        side = trial(best.vetoed, moved | {key}, best.linked)
         if side.ids == best.ids:  # its heaviest branch is not worth a stream of its own
             continue
         placements[key] = (best.us, side.us)
@@ -250,6 +285,27 @@ def _decide(
     return walk, wanted, StepEstimate(us, serial, gpu.name), tuple(rejected), notes
 
 
+def _needed(region: RegionPlacement) -> float:
+    """What ``region`` must save of the simulated step to be kept (the module doc)."""
+    region_us = sum(b.device_us for b in region.branches) * (1 + BACKWARD_FACTOR)
+    return max(MIN_GAIN_US, MIN_GAIN_FRACTION * region_us)
+
+
+def _nested(
+    record: CallRecord, region: RegionPlacement, regions: Sequence[RegionPlacement]
+) -> frozenset[RegionKey]:
+    """The keys of ``regions`` that lie inside ``region``'s branches."""
+    parent = {child.call_id: call for call in record.calls() for child in call.children}
+    owner = parent.get(region.key[0]) if region.key else None
+    if owner is None:
+        return frozenset()
+    names = {name for branch in region.branches for name in branch.calls}
+    inside = {
+        call.call_id for child in owner.children if child.name in names for call in child.calls()
+    }
+    return frozenset(r.key for r in regions if r.key != region.key and r.key[0] in inside)
+
+
 @dataclass(frozen=True)
 class _Trial:
     """One placement the planner simulated: the walk, its stages and the simulated step."""
@@ -259,6 +315,8 @@ class _Trial:
     ids: dict[int, int]
     notes: list[str]
     us: float
+    vetoed: frozenset[RegionKey]  # regions it left out
+    linked: frozenset[RegionKey]  # regions whose cheap links it ran as stages
 
 
 def _explain_heaviest(

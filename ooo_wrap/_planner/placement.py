@@ -11,7 +11,9 @@ Two assigners, both pure functions of an observed :class:`~ooo_wrap._planner.obs
   are the child calls of a branch on a side stream, as
   :meth:`~ooo_wrap._planner.regions.RegionRule.side_stages` decides: every link of a
   branch's chain gets that branch's stream, a link that a fork/join would outlast runs
-  inline, and a call with a region inside is split into its links (stages cannot
+  inline (unless the region is in ``linked``: the planner simulated the step with such
+  links as stages and it was faster, their inline ops holding up the caller's stream
+  in the backward), and a call with a region inside is split into its links (stages cannot
   nest) only if each of them is worth a stage, else it is one stage.
   Concurrent branches run at once, so the regions inside them get disjoint streams: the
   side streams no branch of the region runs on are shared out among the branches (those
@@ -56,13 +58,15 @@ class _Branch(NamedTuple):
 
     ``home``: its stream; ``own``: the side streams its regions may take, no concurrent
     branch using them; ``busy``: estimated µs of concurrent work on the other streams (for
-    when ``own`` runs out); ``lane``: the innermost region branch it is, if any.
+    when ``own`` runs out); ``lane``: the innermost region branch it is, if any;
+    ``linked``: its calls cheaper than a fork/join run as stages on ``home`` too.
     """
 
     home: int | None
     own: tuple[int, ...]
     busy: Mapping[int, float]
     lane: Lane | None
+    linked: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ class RegionWalk:
     gpu: ReferenceGPU
     vetoed: frozenset[RegionKey] = frozenset()
     moved: frozenset[RegionKey] = frozenset()
+    linked: frozenset[RegionKey] = frozenset()
     stage_stream: dict[int, int] = field(default_factory=dict)  # stage call_id -> stream
     lanes: dict[int, Lane | None] = field(default_factory=dict)  # call_id -> innermost branch
     regions: list[RegionPlacement] = field(default_factory=list)
@@ -140,7 +145,7 @@ class RegionWalk:
             elif at.home is None or self.rule.splits(part):
                 total += self.call(part, at)
             else:  # a link on its branch's stream: one stage, or inline if a fork outlasts it
-                if self.rule.side_stages(part):
+                if self.rule.side_stages(part) or (at.linked and part.device_us > 0):
                     self.stage_stream[part.call_id] = at.home
                 self.lanes[part.call_id] = at.lane
                 total += part.device_us
@@ -191,7 +196,9 @@ class RegionWalk:
                 for stream in (other, *streams):  # its work spread over its streams
                     if stream is not None:
                         inner_busy[stream] = inner_busy.get(stream, 0.0) + cost / (len(streams) + 1)
-            inner = _Branch(target, shares[target][1], inner_busy, (call.call_id, number, index))
+            lane = (call.call_id, number, index)
+            linked = target != home and region_key(parallel) in self.linked
+            inner = _Branch(target, shares[target][1], inner_busy, lane, linked)
             spent = self._series(call, branch, inner, counter)
             times[target] = times.get(target, 0.0) + spent
         return max(times.values())
@@ -280,10 +287,13 @@ def assign_regions(
     gpu: ReferenceGPU,
     vetoed: frozenset[RegionKey] = frozenset(),
     moved: frozenset[RegionKey] = frozenset(),
+    linked: frozenset[RegionKey] = frozenset(),
 ) -> RegionWalk:
     """Find every region under ``root`` (none of ``vetoed``) and give each stage call a
-    side stream; the heaviest branch of a region in ``moved`` leaves the caller's too."""
-    walk = RegionWalk(streams, gpu, vetoed, moved)
+    side stream; the heaviest branch of a region in ``moved`` leaves the caller's too; in
+    the branches that leave it of a region in ``linked``, calls cheaper than a fork/join
+    are stages on their branch's stream too (else they run inline on the caller's)."""
+    walk = RegionWalk(streams, gpu, vetoed, moved, linked)
     walk.forward_us = walk.call(root, _Branch(None, tuple(range(streams)), {}, None))
     return walk
 

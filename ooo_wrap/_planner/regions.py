@@ -247,7 +247,8 @@ class RegionRule:
     neighbours inside it, as long as it costs more than a fork/join; cheaper still, it is
     no stage at all and runs inline on the caller's stream. So no stage is estimated below
     its own fork/join, and a region inside a call is given up where using it would take a
-    stage cheaper than that.
+    stage cheaper than that. (The planner may still run a region's cheap links as stages
+    where its simulated step says that pays: ``linked`` in ``placement.assign_regions``.)
     """
 
     def __init__(
