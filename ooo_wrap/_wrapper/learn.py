@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .._plan import Plan, StageSource, plural
+from .._events import EventKind, OOOEvent
+from .._plan import Plan, StageSource, as_stage_names, plural
 from .._planner.api import named_stages, reference_gpu
 from .._planner.cost import ReferenceGPU
 from .._planner.dataflow import learn
@@ -32,11 +34,15 @@ from .._runtime.backend import Backend
 from .._runtime.bypass import eager_bypass_reason
 from .._stats import Counters
 
-__all__ = ["Learned", "Learner", "pending_plan", "summary"]
+__all__ = ["Learned", "Learner", "pending_plan", "removed_before_learning", "summary"]
 
-# What a learner's hook returns once the plan is known: the plan, and why observing or
-# learning failed (then it is the static plan) or None.
-Learned = tuple[Plan, str | None]
+
+class Learned(NamedTuple):
+    """What a learner's hook returns once the plan is known."""
+
+    plan: Plan
+    failure: str | None  # why observing or learning failed (then it is the static plan)
+    removed: tuple[str, ...] = ()  # named stages no longer in the model, left out
 
 
 def pending_plan(streams: int) -> Plan:
@@ -126,9 +132,13 @@ class Learner:
             self._accumulators.end(module)
             if raised:
                 return None  # the forward raised: learn on the next one
-            named = named_stages(module, self._streams, self._stages)
+            stages, removed = _still_named(module, self._stages)
+            if stages == []:
+                return Learned(self._no_stages(), None, removed)
+            named = named_stages(module, self._streams, stages)
             gpu = reference_gpu(self._gpu)
-            return _learned(module, observer.record, self._streams, named, gpu), None
+            plan = _learned(module, observer.record, self._streams, named, gpu)
+            return Learned(plan, None, removed)
         except Exception as error:
             return self._failed(
                 module, f"learning the plan failed ({type(error).__name__}: {error})"
@@ -136,7 +146,44 @@ class Learner:
 
     def _failed(self, module: nn.Module, why: str) -> Learned:
         """Fall back to the static plan (an event says why)."""
-        return static_plan(module, self._streams, self._stages), why
+        stages, removed = _still_named(module, self._stages)
+        if stages == []:
+            return Learned(self._no_stages(), why, removed)
+        return Learned(static_plan(module, self._streams, stages), why, removed)
+
+    def _no_stages(self) -> Plan:
+        """The plan when every stage the user named was removed after wrapping."""
+        source: StageSource = "argument" if self._stages is not None else "attribute"
+        return Plan(stages=(), max_streams=self._streams, source=source)
+
+
+def _still_named(
+    module: nn.Module, stages: Sequence[str] | None
+) -> tuple[list[str] | None, tuple[str, ...]]:
+    """The stage names the user gave (argument or ``ooo_stage_names``) that still name a
+    sub-module, and those that do not (removed after wrapping: they were checked then).
+    ``None`` and no names where the user named none or none was removed (the names are
+    then read as at wrapping)."""
+    given = stages if stages is not None else getattr(module, "ooo_stage_names", None)
+    if given is None:
+        return None, ()
+    names = as_stage_names(given, "stages=")
+    known = {name for name, _ in module.named_modules(remove_duplicate=False)}
+    removed = tuple(name for name in names if name not in known)
+    if not removed:
+        return (None if stages is None else list(stages)), ()
+    return [name for name in names if name in known], removed
+
+
+def removed_before_learning(name: str) -> OOOEvent:
+    """The event for a named stage removed from the model before the plan was learned."""
+    return OOOEvent(
+        EventKind.STAGE_REPLACED,
+        "removed",
+        f"the model has no sub-module {name!r} any more (removed after wrapping): the plan "
+        "is learned without it",
+        stage=name,
+    )
 
 
 def summary(the_plan: Plan) -> str:

@@ -48,7 +48,7 @@ from .._runtime.backend import Backend, clock_of
 from .._runtime.scheduler import Scheduler, running
 from .._runtime.variants import scheduler_class
 from .._stats import Counters
-from .learn import Learned, Learner, pending_plan, summary
+from .learn import Learned, Learner, pending_plan, removed_before_learning, summary
 from .options import WrapOptions
 from .tune import Tuner
 from .tuning import Tuning, slower_why, tuned_event
@@ -242,10 +242,12 @@ class WrapState:
 
     def _learned(self, model: nn.Module, learned: Learned) -> None:
         """``LEARNING`` -> the plan's hooks, or ``STOPPED`` (an event says why)."""
-        the_plan, failure = learned
+        the_plan, failure, removed = learned
         self._remove("learner")
         self.plan, self.phase = the_plan, Phase.STOPPED
         found = learned_of(the_plan)
+        for name in removed:
+            self.log.add(removed_before_learning(name), level=logging.WARNING)
         if failure is not None:
             self.log.add(
                 OOOEvent(

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 import ooo_wrap
-from tests.support.serialize_helpers import hook_counts, pickle_round_trip, wrapped
+from ooo_wrap import EventKind
+from ooo_wrap.testing import SimulatedBackend
+from tests.support.serialize_helpers import Towers, hook_counts, pickle_round_trip, wrapped
 
 
 def _same_outputs(a: nn.Module, b: nn.Module) -> None:
@@ -59,3 +61,35 @@ def test_stage_names_that_no_longer_fit_are_refused_naming_the_stage(planner: st
     with pytest.raises(ooo_wrap.OOOError, match=match):
         copy.deepcopy(model)
     assert hook_counts(model) == before  # refused: nothing of the model changed
+
+
+@pytest.mark.parametrize("named", ["argument", "attribute"])
+def test_a_named_stage_removed_before_the_first_forward_is_learned_without(named: str) -> None:
+    # Regression: the dataflow planner looked the names up again when learning, raised
+    # OOOConfigError, fell back to the static plan, which raised it again from forward.
+    names = ["towers.0", "towers.1", "towers.2"]
+    if named == "argument":
+        model = wrapped(stages=names, planner="dataflow")
+    else:
+        plain = Towers()
+        plain.ooo_stage_names = names
+        model = ooo_wrap.OOOModule(plain, backend=SimulatedBackend())
+    del model.towers[2]
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    assert [stage.name for stage in model.plan.stages] == ["towers.0", "towers.1"]
+    (removed,) = [e for e in model.events if e.kind is EventKind.STAGE_REPLACED]
+    assert removed.reason == "removed" and removed.stage == "towers.2"
+    assert "learned without it" in removed.message
+    assert not [e for e in model.events if e.reason == "static_fallback"]
+    model(x).sum().backward()  # the learned plan runs
+    assert model.stats.stage_calls == 2
+
+
+def test_every_named_stage_removed_before_the_first_forward_stops_the_model() -> None:
+    model = wrapped(stages=["towers.1", "towers.2"], planner="dataflow")
+    del model.towers[2], model.towers[1]
+    model(torch.randn(4, 8)).sum().backward()
+    removed = [e.stage for e in model.events if e.kind is EventKind.STAGE_REPLACED]
+    assert removed == ["towers.1", "towers.2"]
+    assert model.events[-1].reason == "too_few_stages"
