@@ -196,16 +196,12 @@ def _decide(
     """Keep each region only where the simulated step pays for it (the module doc).
 
     Regions are tried one at a time in the order found (outer before inner), each
-    region's heaviest branch on the caller's stream, in up to two forms: as placed, and
-    with the cheap links of its leaving branches as stages too (kept only if faster: a
-    link left inline on the caller's stream can hold up the backward queued there).
-
-    * The step is simulated without the region; the region is dropped unless it saves
-      what it must.
-    * Where regions lie inside its branches, it is also simulated without them. If that
-      is faster (their streams are taken from the concurrent branches), it is kept alone
-      if it saves what it must against the step with neither, and each inner region is
-      then taken back only if it still pays.
+    region's heaviest branch on the caller's stream, as placed and with the cheap links of
+    its leaving branches as stages too (kept only if faster: a link left inline on the
+    caller's stream can hold up the backward queued there). The step is simulated without
+    the region, and the region is dropped unless it saves what it must. Where it takes the
+    streams of regions inside it (they are placed without it, not with it), it must be
+    faster than the step with them and save what it must against the step with neither.
 
     Then, in each region kept, the step is simulated with its heaviest branch on a side
     stream too; it moves only if that is faster (else it stays, one fork/join fewer). A
@@ -214,18 +210,23 @@ def _decide(
     serial = simulate(step_ops(record, {}, gpu, one_stream=True)).length_us
 
     def trial(
-        vetoed: frozenset[RegionKey], moved: frozenset[RegionKey], linked: frozenset[RegionKey]
+        vetoed: frozenset[RegionKey],
+        moved: frozenset[RegionKey],
+        linked: frozenset[RegionKey],
+        same: _Trial | None = None,
     ) -> _Trial:
+        """The placement's simulated step (``same`` itself if it places the same stages)."""
         walk = assign_regions(record, streams, gpu, vetoed, moved, linked)
         wanted, ids, notes = _placed(record, walk)
+        if same is not None and ids == same.ids:
+            return same
         us = simulate(step_ops(record, ids, gpu)).length_us if ids else serial
         return _Trial(walk, wanted, ids, notes, us, vetoed, linked)
 
     def linking(plain: _Trial, key: RegionKey) -> _Trial:
         """``plain``, or it with region ``key``'s cheap links as stages if that is faster."""
-        joined = trial(plain.vetoed, moved, plain.linked | {key})
-        faster = joined.ids != plain.ids and joined.us < plain.us - MIN_GAIN_US
-        return joined if faster else plain
+        joined = trial(plain.vetoed, moved, plain.linked | {key}, same=plain)
+        return joined if joined.us < plain.us - MIN_GAIN_US else plain
 
     moved: frozenset[RegionKey] = frozenset()
     best = trial(frozenset(), moved, frozenset())
@@ -242,23 +243,18 @@ def _decide(
         kept = linking(best, region.key)
         without = trial(vetoed | {region.key}, moved, linked)
         needed = _needed(region)
-        inner = _nested(record, region, best.walk.regions)
-        alone = linking(trial(vetoed | inner, moved, linked), region.key) if inner else None
-        if alone is not None and alone.us < min(kept.us, without.us) - MIN_GAIN_US:
-            neither = trial(vetoed | inner | {region.key}, moved, linked)
-            if neither.us - alone.us >= needed:
-                best = alone
-                for inside in [r for r in kept.walk.regions if r.key in inner]:
-                    tried.add(inside.key)
-                    back = linking(
-                        trial(best.vetoed - {inside.key}, moved, best.linked), inside.key
-                    )
-                    if best.us - back.us >= _needed(inside):
-                        best = back
-                    else:
-                        rejected.append(RejectedRegion(inside, back.us, best.us, _needed(inside)))
-                continue
-        if without.us - kept.us >= needed:
+        # Inner regions it displaces (those inside it placed without it, but not with it:
+        # it took their streams) are not part of the step it must beat by its margin,
+        # only of the step it must beat at all.
+        displaced = frozenset(_nested(record, region, without.walk.regions)) - {
+            r.key for r in kept.walk.regions
+        }
+        if displaced:
+            neither = trial(vetoed | displaced | {region.key}, moved, linked, same=without)
+            pays = kept.us < without.us - MIN_GAIN_US and neither.us - kept.us >= needed
+        else:
+            pays = without.us - kept.us >= needed
+        if pays:
             best = kept
             continue
         rejected.append(RejectedRegion(region, kept.us, without.us, needed))
@@ -293,17 +289,12 @@ def _needed(region: RegionPlacement) -> float:
 
 def _nested(
     record: CallRecord, region: RegionPlacement, regions: Sequence[RegionPlacement]
-) -> frozenset[RegionKey]:
-    """The keys of ``regions`` that lie inside ``region``'s branches."""
-    parent = {child.call_id: call for call in record.calls() for child in call.children}
-    owner = parent.get(region.key[0]) if region.key else None
-    if owner is None:
-        return frozenset()
-    names = {name for branch in region.branches for name in branch.calls}
-    inside = {
-        call.call_id for child in owner.children if child.name in names for call in child.calls()
-    }
-    return frozenset(r.key for r in regions if r.key != region.key and r.key[0] in inside)
+) -> set[RegionKey]:
+    """The keys of ``regions`` inside ``region``'s branches: under the calls of its
+    branches, by call, not by module (a module may be called again elsewhere)."""
+    ids = {i for branch in region.branches for i in branch.call_ids}
+    inside = {c.call_id for top in record.calls() if top.call_id in ids for c in top.calls()}
+    return {r.key for r in regions if r.key != region.key and r.key and r.key[0] in inside}
 
 
 @dataclass(frozen=True)

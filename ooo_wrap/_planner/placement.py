@@ -84,6 +84,7 @@ class BranchPlacement:
     why: str = ""
     launch_us: float = 0.0
     occupancy: float = 0.0
+    call_ids: tuple[int, ...] = ()  # the ``call_id`` of each call in ``calls``
 
     @property
     def device_us(self) -> float:
@@ -227,6 +228,7 @@ class RegionWalk:
             why,
             len(ops) * self.gpu.launch_us,
             sum(op.device_us * op.occupancy for op in ops) / device if device else 0.0,
+            tuple(c.call_id for c in branch.calls()),
         )
 
     def _share(

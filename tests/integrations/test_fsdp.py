@@ -19,9 +19,18 @@ from torch.distributed.tensor import DTensor
 
 import ooo_wrap
 from ooo_wrap.testing import SimulatedBackend
-from tests.support.distributed import assert_same_tensors, rank_device, run_ranks
+from tests.support.distributed import (
+    FSDP2_RUNS_ON_CPU,
+    FSDP2_SKIP_REASON,
+    assert_same_tensors,
+    rank_device,
+    run_ranks,
+)
 
-pytestmark = pytest.mark.slow  # subprocesses or many random models
+pytestmark = [
+    pytest.mark.slow,  # subprocesses
+    pytest.mark.skipif(not FSDP2_RUNS_ON_CPU, reason=FSDP2_SKIP_REASON),
+]
 
 STEPS = 2
 

@@ -17,7 +17,7 @@ from ooo_wrap._errors import OOOConfigError
 from ooo_wrap._planner import api as planner_api
 from ooo_wrap._planner.api import plan
 from ooo_wrap._planner.cost import H200
-from ooo_wrap._planner.dataflow import LearnedPlan, learn, learn_plan
+from ooo_wrap._planner.dataflow import LearnedPlan, _nested, learn, learn_plan
 from ooo_wrap._planner.observe import observe
 from ooo_wrap._planner.placement import assign_named, assign_regions
 from ooo_wrap._planner.simulate import estimate_step
@@ -464,3 +464,53 @@ def test_inner_regions_of_concurrent_towers_get_disjoint_streams(streams: int) -
     text = set().union(*(used for name, used in inner.items() if name.startswith("text")))
     assert not image & text, (image, text)
     assert learned.count_edges(learned.stage_streams).chain_splits == 0
+
+
+def test_a_region_that_takes_its_inner_regions_streams_is_judged_against_neither() -> None:
+    # Regression: with one side stream the towers' region leaves none to the q/k/v regions
+    # inside the towers. It was judged against the step with those regions (13057.6 µs),
+    # saving less than its margin, and rejected for it; the step with neither is slower
+    # (13233.6 µs) and the towers apart are the fastest (12900.8 µs).
+    torch.manual_seed(0)
+    model = models.Clip().to("meta")
+    learned = learn_plan(model, models.clip_inputs(), streams=1)
+    assert learned.estimate is not None
+    assert [r.name for r in learned.regions] == ["<root>"]
+    record = learned.record
+    (root,) = learned.regions
+    inner_only = assign_regions(record, 1, H200, vetoed=frozenset({root.key})).stage_stream
+    assert len(inner_only) == 16  # k_proj and v_proj of 8 blocks
+    inner_us = estimate_step(record, inner_only, H200).wrapped_us
+    assert learned.estimate.wrapped_us < inner_us - 100.0, (learned.estimate, inner_us)
+    towers = towers_per_side_stream(learned.stage_streams)
+    assert towers == {0: {"image"}}
+
+
+class _Gate(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.p, self.q = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.p(x) * self.q(x)
+
+
+class _GateCalledTwice(nn.Module):
+    """``a`` runs in a branch of the root's region, then once more after it."""
+
+    def __init__(self, dim: int = 2048) -> None:
+        super().__init__()
+        self.a = _Gate(dim)
+        self.b = nn.Sequential(nn.Linear(dim, dim), nn.Linear(dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.a(x) + self.b(x))
+
+
+def test_regions_inside_a_region_are_found_by_call_not_by_module() -> None:
+    record = observe(_GateCalledTwice().to("meta"), (torch.empty(128, 2048, device="meta"),))
+    walk = assign_regions(record, 4, H200)
+    root, first, second = walk.regions
+    assert (root.name, first.name, second.name) == ("<root>", "a", "a")
+    assert _nested(record, root, walk.regions) == {first.key}  # not a's second call
+    assert _nested(record, first, walk.regions) == set()

@@ -24,6 +24,14 @@ from ooo_wrap.testing import SimulatedBackend
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+# torch 2.6's FSDP2 cannot run on the CPU at all: its all-gather records an event on a
+# torch.cpu.Stream, which has no record_event there. FSDP2 tests need a later torch.
+FSDP2_RUNS_ON_CPU = hasattr(torch.cpu.Stream, "record_event")
+FSDP2_SKIP_REASON = (
+    "this torch's FSDP2 cannot run on the CPU (torch.cpu.Stream has no record_event)"
+)
+
+
 def rank_device(rank: int, device_type: str) -> tuple[torch.device, SimulatedBackend | None]:
     """This rank's device, and the backend to wrap with there: virtual streams on the CPU
     (every rank on the one CPU device), the real accelerator on a GPU (one per rank)."""
