@@ -14,6 +14,7 @@ used and an event says why.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -133,9 +134,10 @@ class Learner:
             if raised:
                 return None  # the forward raised: learn on the next one
             stages, removed = _still_named(module, self._stages)
-            if stages == []:
+            if stages is not None and len(stages) < 2 and removed:
                 return Learned(self._no_stages(), None, removed)
             named = named_stages(module, self._streams, stages)
+            named = None if named is None else self._as_given(named)
             gpu = reference_gpu(self._gpu)
             plan = _learned(module, observer.record, self._streams, named, gpu)
             return Learned(plan, None, removed)
@@ -147,14 +149,23 @@ class Learner:
     def _failed(self, module: nn.Module, why: str) -> Learned:
         """Fall back to the static plan (an event says why)."""
         stages, removed = _still_named(module, self._stages)
-        if stages == []:
+        if stages is not None and len(stages) < 2 and removed:
             return Learned(self._no_stages(), why, removed)
-        return Learned(static_plan(module, self._streams, stages), why, removed)
+        return Learned(self._as_given(static_plan(module, self._streams, stages)), why, removed)
+
+    def _source(self) -> StageSource:
+        return "argument" if self._stages is not None else "attribute"
+
+    def _as_given(self, named: Plan) -> Plan:
+        """``named`` with the source the user's names came from (``ooo_stage_names`` read
+        here, once one was left out, comes back as a list: an argument to the plan)."""
+        if named.source == "automatic" or named.source == self._source():
+            return named
+        return dataclasses.replace(named, source=self._source())
 
     def _no_stages(self) -> Plan:
-        """The plan when every stage the user named was removed after wrapping."""
-        source: StageSource = "argument" if self._stages is not None else "attribute"
-        return Plan(stages=(), max_streams=self._streams, source=source)
+        """The plan when fewer than two named stages are left (the rest removed)."""
+        return Plan(stages=(), max_streams=self._streams, source=self._source())
 
 
 def _still_named(
@@ -181,7 +192,7 @@ def removed_before_learning(name: str) -> OOOEvent:
         EventKind.STAGE_REPLACED,
         "removed",
         f"the model has no sub-module {name!r} any more (removed after wrapping): the plan "
-        "is learned without it",
+        "leaves it out",
         stage=name,
     )
 

@@ -78,18 +78,25 @@ def test_a_named_stage_removed_before_the_first_forward_is_learned_without(named
     x = torch.randn(4, 8)
     model(x).sum().backward()
     assert [stage.name for stage in model.plan.stages] == ["towers.0", "towers.1"]
+    assert model.plan.source == named
     (removed,) = [e for e in model.events if e.kind is EventKind.STAGE_REPLACED]
     assert removed.reason == "removed" and removed.stage == "towers.2"
-    assert "learned without it" in removed.message
+    assert "the plan leaves it out" in removed.message
     assert not [e for e in model.events if e.reason == "static_fallback"]
     model(x).sum().backward()  # the learned plan runs
     assert model.stats.stage_calls == 2
 
 
-def test_every_named_stage_removed_before_the_first_forward_stops_the_model() -> None:
-    model = wrapped(stages=["towers.1", "towers.2"], planner="dataflow")
+@pytest.mark.parametrize("left", [0, 1])
+def test_named_stages_removed_before_the_first_forward_down_to_one_stop_the_model(
+    left: int,
+) -> None:
+    model = wrapped(stages=["towers.0", "towers.1", "towers.2"][1 - left :], planner="dataflow")
     del model.towers[2], model.towers[1]
     model(torch.randn(4, 8)).sum().backward()
     removed = [e.stage for e in model.events if e.kind is EventKind.STAGE_REPLACED]
     assert removed == ["towers.1", "towers.2"]
     assert model.events[-1].reason == "too_few_stages"
+    assert model.plan.stages == ()
+    model(torch.randn(4, 8)).sum().backward()
+    assert model.stats.stage_calls == 0
