@@ -178,7 +178,7 @@ def _still_named(
     given = stages if stages is not None else getattr(module, "ooo_stage_names", None)
     if given is None:
         return None, ()
-    names = as_stage_names(given, "stages=")
+    names = as_stage_names(given, "stages=" if stages is not None else "model.ooo_stage_names")
     known = {name for name, _ in module.named_modules(remove_duplicate=False)}
     removed = tuple(name for name in names if name not in known)
     if not removed:
