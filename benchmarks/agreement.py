@@ -4,8 +4,10 @@ Run: ``python -m benchmarks.agreement``. For each model it learns the plan the p
 keeps by default (regions the simulated step pays for) and prints its estimate, the
 estimate ``check()`` reports for the same model running it, and their difference; then
 the same for the plan with every region the region rule finds (``by_simulation=False``),
-to compare the two estimates where the default keeps no side stream. Every figure is an
-estimate on the reference GPU, never a measurement.
+to compare the two estimates where the default keeps no side stream; then the static
+plan's simulated step on the same record; then the CLIP replica on the ``meta`` device,
+default against static plan, per number of streams. Every figure is an estimate on the
+reference GPU, never a measurement.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import ooo_wrap
 from ooo_wrap._planner import dataflow as _dataflow
 from ooo_wrap._planner.cost import H200
-from ooo_wrap._planner.dataflow import learn_plan
+from ooo_wrap._planner.dataflow import LearnedPlan, learn_plan
+from ooo_wrap._planner.simulate import estimate_step
 from ooo_wrap.testing import check
 
 
@@ -85,11 +89,38 @@ def _row(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[str, str, str, str]
     return outcome, own, f"{got.wrapped_us:.1f} µs {got.speedup:.3f}x", diff
 
 
+def _static(model: nn.Module, learned: LearnedPlan, streams: int = 4) -> str:
+    """The static plan's simulated step on the record ``learned`` was learned from."""
+    static = {stage.name: stage.stream for stage in ooo_wrap.plan(model, streams).stages}
+    ids = {c.call_id: static[c.name] for c in learned.record.calls() if c.name in static}
+    est = estimate_step(learned.record, ids, H200)
+    return f"{est.wrapped_us:.1f} µs {est.speedup:.3f}x"
+
+
+def _clip_on_meta() -> None:
+    """The CLIP replica on the ``meta`` device (attention as its math ops, no check()):
+    the default plan against the static plan, by the simulator, per number of streams."""
+    from tests.support import dataflow_models as models
+
+    print("\nCLIP replica on the meta device: default plan vs static plan (simulated step)")
+    for streams in (1, 2, 4):
+        torch.manual_seed(0)
+        model = models.Clip().to("meta")
+        learned = learn_plan(model, models.clip_inputs(), streams=streams)
+        assert learned.estimate is not None
+        own = f"{learned.estimate.wrapped_us:.1f} µs {learned.estimate.speedup:.3f}x"
+        print(
+            f"  streams={streams}: default {learned.outcome} ({len(learned.stages)}) {own}; "
+            f"static {_static(model, learned, streams)}"
+        )
+
+
 def main() -> None:
     print(f"All figures: estimated step µs on {H200.name}, not measurements.")
     print(
         f"{'model':<38} {'default plan':<20} {'plan est.':>18} {'check() est.':>18} "
-        f"{'diff':>6} | {'by rule':<20} {'plan est.':>18} {'check() est.':>18} {'diff':>6}"
+        f"{'diff':>6} | {'by rule':<20} {'plan est.':>18} {'check() est.':>18} {'diff':>6} "
+        f"| {'static plan est.':>18}"
     )
     default = _dataflow.BY_SIMULATION
     for name, make in _cases().items():
@@ -103,7 +134,10 @@ def main() -> None:
             _dataflow.BY_SIMULATION = default
         cells = [f"{judged[0]:<20}", f"{judged[1]:>18}", f"{judged[2]:>18}", f"{judged[3]:>6}"]
         cells += ["|", f"{ruled[0]:<20}", f"{ruled[1]:>18}", f"{ruled[2]:>18}", f"{ruled[3]:>6}"]
-        print(f"{name:<38} " + " ".join(cells))
+        torch.manual_seed(0)
+        static = _static(model, learn_plan(model, inputs))
+        print(f"{name:<38} " + " ".join([*cells, "|", f"{static:>18}"]))
+    _clip_on_meta()
 
 
 if __name__ == "__main__":
