@@ -340,7 +340,33 @@ def render_report(report: Mapping[str, Any]) -> str:
         lines += overhead_lines(host)
     else:
         lines.append("Host overhead of the hooks: not measured (the run stopped before it).")
+    lines += gemm_overlap_lines((report.get("calibration") or {}).get("concurrent_gemms"))
     return "\n".join(lines)
+
+
+def gemm_overlap_lines(pairs: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """The concurrent-GEMM measurements of the calibration, each against the cost model's
+    prediction (an estimate on the H200 datasheet reference), as a markdown table."""
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "Two GEMMs of one shape on two streams (overlap = time on one stream / time on two; "
+        "estimated: the cost model's occupancy sharing, an estimate on the H200 datasheet "
+        "reference):",
+        "",
+        "| GEMM | dtype | GEMMs per stream | one stream ms | two streams ms | measured overlap "
+        "| estimated overlap | estimated occupancy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for pair in pairs:
+        lines.append(
+            f"| {pair['shape']} | {pair['dtype']} | {pair['calls_per_stream']} "
+            f"| {pair['serial_ms']:.3f} | {pair['concurrent_ms']:.3f} "
+            f"| {pair['measured_overlap']:.2f}x | {pair['estimated_overlap']:.2f}x "
+            f"| {pair['estimated_occupancy']:.2f} |"
+        )
+    return lines
 
 
 def _outcome_lines(report: Mapping[str, Any]) -> list[str]:

@@ -392,6 +392,17 @@ def test_suite_on_cuda_writes_json_and_table(
     assert "| model |" in out and "Targets" in out
 
 
+def test_calibration_times_the_gemm_pairs_on_two_streams() -> None:
+    from benchmarks import calibrate
+
+    pairs = calibrate._concurrent_gemms(DEVICE, calls=2, repeats=1)
+    assert len(pairs) == 2 * len(calibrate.GEMM_SHAPES)
+    for pair in pairs:
+        assert pair["serial_ms"] > 0 and pair["concurrent_ms"] > 0
+        assert pair["measured_overlap"] == pair["serial_ms"] / pair["concurrent_ms"]
+        assert pair["estimated_overlap"] >= 1.0
+
+
 class _NoCaptureQuery:
     """A stream as torch 2.6 to 2.11 show it: no ``is_capturing`` method."""
 

@@ -151,3 +151,31 @@ def test_calibration_keeps_the_datasheet_peaks_and_names_the_device() -> None:
     assert gpu.peak_flops == H200.peak_flops and gpu.memory_bandwidth == H200.memory_bandwidth
     assert gpu.name.startswith("Some GPU (measured") and "H200 SXM datasheet" in gpu.name
     assert ReferenceGPU.from_json(gpu.to_json()) == gpu
+
+
+def test_the_gemm_overlap_estimate_follows_occupancy() -> None:
+    # The two-tower model's float32 GEMMs fill the GPU: side by side they gain only the
+    # kernel floors; the same GEMMs in bfloat16 are short enough that the floors matter.
+    import torch
+
+    from benchmarks import calibrate
+
+    for shape in calibrate.GEMM_SHAPES:
+        occupancy, fp32 = calibrate._overlap_estimate(shape, torch.float32, 20)
+        assert occupancy == 1.0 and 1.0 < fp32 < 1.1, fp32
+        _, bf16 = calibrate._overlap_estimate(shape, torch.bfloat16, 20)
+        assert bf16 > fp32
+    one_block = calibrate._overlap_estimate((64, 64, 64), torch.float32, 20)
+    assert one_block[0] < 0.1 and one_block[1] == pytest.approx(2.0)  # tiny: full overlap
+
+
+def test_the_report_shows_measured_against_estimated_gemm_overlap() -> None:
+    from benchmarks.report import gemm_overlap_lines
+
+    assert gemm_overlap_lines(None) == []
+    pair = {"shape": "1024x512 @ 512x2048", "dtype": "float32", "calls_per_stream": 20}
+    pair |= {"serial_ms": 1.5, "concurrent_ms": 1.25, "measured_overlap": 1.2}
+    pair |= {"estimated_overlap": 1.03, "estimated_occupancy": 1.0}
+    lines = gemm_overlap_lines([pair])
+    assert "| 1024x512 @ 512x2048 | float32 | 20 | 1.500 | 1.250 | 1.20x | 1.03x | 1.00 |" in lines
+    assert any("estimate on the H200 datasheet" in line for line in lines)

@@ -80,6 +80,8 @@ def test_full_dry_run_keeps_a_failing_point_and_at_most_eight_files(tmp_path: Pa
     assert gpu.name.startswith("Stand-in GPU (CPU dry run) (measured launch")
     assert gpu.peak_flops == ooo_wrap.H200.peak_flops
     summary = (out / "summary.md").read_text()
+    # The concurrent-GEMM measurement (the stand-in's figures), next to the estimate.
+    assert "| 1024x512 @ 512x2048 | float32 | 20 | 1.500 | 1.400 | 1.07x | 1.03x |" in summary
     rows = _rows(summary)
     assert rows["preflight"][0] == "PASS"
     assert rows["(a) tests/gpu/test_cuda.py"] == (

@@ -217,6 +217,18 @@ def _suite(args: list[str]) -> int:
         "launch_us": 4.0,
         "kernel_floor_us": 1.5,
         "fork_join_us": 12.0,
+        "concurrent_gemms": [
+            {
+                "shape": "1024x512 @ 512x2048",
+                "dtype": "float32",
+                "calls_per_stream": 20,
+                "serial_ms": 1.5,
+                "concurrent_ms": 1.4,
+                "measured_overlap": 1.5 / 1.4,
+                "estimated_overlap": 1.03,
+                "estimated_occupancy": 1.0,
+            }
+        ],
     }
     suite.overhead.measure = lambda repeats, calls: {
         "plain_us_per_forward": 70.0,
