@@ -30,34 +30,17 @@ from ooo_wrap._planner.simulate import estimate_step
 from ooo_wrap.testing import check
 
 
-class Towers(nn.Module):
-    """``towers`` MLPs over one input, summed: ``hidden`` hidden layers of ``width``."""
-
-    def __init__(self, towers: int, dim: int, width: int, hidden: int) -> None:
-        super().__init__()
-        layers = lambda: [  # noqa: E731
-            nn.Linear(dim, width),
-            *(m for _ in range(hidden - 1) for m in (nn.ReLU(), nn.Linear(width, width))),
-            nn.ReLU(),
-            nn.Linear(width, dim),
-        ]
-        self.towers = nn.ModuleList(nn.Sequential(*layers()) for _ in range(towers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([tower(x) for tower in self.towers]).sum(0)
-
-
 def _cases() -> dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...]]]]:
     from examples import quickstart
     from tests.support import dataflow_models as models
 
     return {
         "two towers 512-2048-512, batch 1024": lambda: (
-            Towers(2, 512, 2048, 1),
+            models.MLPTowers(2, 512, 2048, 1),
             (torch.randn(1024, 512),),
         ),
         "three towers width 1024, batch 512": lambda: (
-            Towers(3, 1024, 1024, 2),
+            models.MLPTowers(3, 1024, 1024, 2),
             (torch.randn(512, 1024),),
         ),
         "quickstart": lambda: (quickstart.build_model(), (quickstart.example_input(),)),
@@ -68,7 +51,7 @@ def _cases() -> dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...]]]]:
         "clip replica": lambda: (models.Clip(), models.clip_inputs("cpu")),
         "residual chain": lambda: (models.ResidualChain(), (torch.randn(64, 512),)),
         "tiny towers (4 x 32-32-32, batch 8)": lambda: (
-            Towers(4, 32, 32, 1),
+            models.MLPTowers(4, 32, 32, 1),
             (torch.randn(8, 32),),
         ),
     }

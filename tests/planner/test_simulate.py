@@ -111,29 +111,10 @@ def test_no_learned_plan_is_slower_than_one_stream_by_the_simulation() -> None:
         assert judged.rejected
 
 
-class _Towers(nn.Module):
-    """``towers`` MLPs of ``depth`` layers of ``width`` over one input, summed."""
-
-    def __init__(self, towers: int, dim: int, width: int, depth: int) -> None:
-        super().__init__()
-        self.towers = nn.ModuleList(
-            nn.Sequential(
-                nn.Linear(dim, width),
-                *(m for _ in range(depth - 1) for m in (nn.ReLU(), nn.Linear(width, width))),
-                nn.ReLU(),
-                nn.Linear(width, dim),
-            )
-            for _ in range(towers)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([t(x) for t in self.towers]).sum(0)
-
-
 def test_by_default_a_plan_the_simulator_says_loses_is_not_learned() -> None:
     # The old quickstart's towers: each tower outlasts its fork/join, so the region rule
     # keeps them, but the simulated step is slower with the side streams than without.
-    model, x = _Towers(4, 64, 256, 3), torch.randn(8, 64)
+    model, x = models.MLPTowers(4, 64, 256, 3), torch.randn(8, 64)
     ruled = learn_plan(model, (x,), by_simulation=False)
     assert ruled.stages and ruled.estimate is not None and ruled.estimate.speedup < 1.0
     learned = learn_plan(model, (x,))
@@ -154,7 +135,7 @@ def test_by_default_a_plan_the_simulator_says_loses_is_not_learned() -> None:
 def test_no_learned_plan_with_side_streams_is_slower_by_check(
     towers: int, dim: int, width: int, batch: int
 ) -> None:
-    model, x = _Towers(towers, dim, width, 2), torch.randn(batch, dim)
+    model, x = models.MLPTowers(towers, dim, width, 2), torch.randn(batch, dim)
     learned = learn_plan(model, (x,))
     assert learned.estimate is not None and learned.estimate.speedup >= 1.0
     if learned.stages:
@@ -166,7 +147,10 @@ def test_no_learned_plan_with_side_streams_is_slower_by_check(
 def test_the_heaviest_branch_leaves_the_callers_stream_only_where_the_simulation_says_so(
     depth: int, moves: bool
 ) -> None:
-    model, x = _Towers(4, 1024, 1024, depth).to("meta"), torch.empty(512, 1024, device="meta")
+    model, x = (
+        models.MLPTowers(4, 1024, 1024, depth).to("meta"),
+        torch.empty(512, 1024, device="meta"),
+    )
     learned = learn_plan(model, (x,))
     kept = assign_regions(learned.record, 4, H200)
     (region,) = kept.regions
@@ -196,7 +180,7 @@ def test_plan_and_check_report_one_estimate_type() -> None:
 
 def test_the_plan_estimate_agrees_with_the_checkers_for_the_same_plan() -> None:
     torch.manual_seed(0)
-    model = _Towers(3, 1024, 1024, 2)  # sized so that the simulated step keeps its streams
+    model = models.MLPTowers(3, 1024, 1024, 2)  # sized so that the simulated step keeps its streams
     x = torch.randn(512, 1024)
     learned = learn_plan(model, (x,))
     assert learned.stages and learned.estimate is not None

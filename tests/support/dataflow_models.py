@@ -213,6 +213,26 @@ class SharedStats(nn.Module):
         return self.a(x) + self.b(x) + self.c(x)
 
 
+class MLPTowers(nn.Module):
+    """``towers`` MLPs over one input, summed: each ``dim -> width``, ``hidden - 1`` more
+    ``width x width`` layers, then ``width -> dim``, ReLU between."""
+
+    def __init__(self, towers: int, dim: int, width: int, hidden: int) -> None:
+        super().__init__()
+        self.towers = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(dim, width),
+                *(m for _ in range(hidden - 1) for m in (nn.ReLU(), nn.Linear(width, width))),
+                nn.ReLU(),
+                nn.Linear(width, dim),
+            )
+            for _ in range(towers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([tower(x) for tower in self.towers]).sum(0)
+
+
 class ClipBlock(nn.Module):
     """A pre-norm transformer block with separate q/k/v projections: an inner region of
     three projections between two cheap layer norms."""
