@@ -12,7 +12,7 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -978,8 +978,8 @@ def test_a_mode_out_of_memory_is_listed_as_such_not_as_a_failure() -> None:
     def capture_breaks(*args: Any, **kwargs: Any) -> Any:
         raise ooo_wrap.OOOError("capturing the step in a CUDA graph failed (sync)")
 
-    for capture in (warm_up_too_big, capture_too_big):
-        record = measure_point(
+    def measured(capture: Callable[..., Any]) -> dict[str, Any]:
+        return measure_point(
             Point(SMALL["towers"], 2, "float32"),
             CPU,
             warmup=0,
@@ -988,19 +988,14 @@ def test_a_mode_out_of_memory_is_listed_as_such_not_as_a_failure() -> None:
             modes=["plain", "wrapped", "plain_graphed"],
             capture=capture,
         )
+
+    for capture in (warm_up_too_big, capture_too_big):
+        record = measured(capture)
         assert record["out_of_memory_modes"] == ["plain_graphed"]
         assert record["failed_modes"] == {}
         table = report.modes_table([record])
         assert "| plain_graphed | - | - | - | - | out of memory on this GPU |" in table
-    record = measure_point(
-        Point(SMALL["towers"], 2, "float32"),
-        CPU,
-        warmup=0,
-        steps=1,
-        mem_steps=1,
-        modes=["plain", "wrapped", "plain_graphed"],
-        capture=capture_breaks,
-    )
+    record = measured(capture_breaks)
     assert record["out_of_memory_modes"] == []
     assert record["failed_modes"] == {
         "plain_graphed": "OOOError: capturing the step in a CUDA graph failed (sync)"
