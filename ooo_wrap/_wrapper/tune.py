@@ -7,7 +7,9 @@ Once a plan is in force, two hooks on the model's root run a :class:`Tuner`:
    that has run no optimizer step since tuning began. It records a timing mark on the
    caller's stream in the root pre-hook; the time from one mark to the next is the step
    (its forwards, backward, optimizer, whatever the loop does), credited to its arm. So
-   gradient accumulation or a loss over two forwards is one step, in one arm.
+   gradient accumulation or a loss over two forwards is one step, in one arm; so is a
+   checkpoint's recomputation of the whole model in backward (it stops early by raising
+   through the model on purpose: not a forward that raised).
 2. The arms alternate by step, plain then planned: in a plain step every stage call runs
    inline on the caller's stream (a ``BYPASSED``/``tuning`` stage call, as under
    ``ooo_wrap.disabled()``; a checkpoint's recomputation in that step's backward too), so
@@ -47,6 +49,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
+from .._compat import is_checkpoint_early_stop
 from .._events import EventKind, EventLog, OOOEvent
 from .._reasons import Reason
 from .._runtime.backend import Backend, Mark, StepClock
@@ -183,6 +186,13 @@ class Tuner:
                 call.bypass = Reason.TUNING  # 2. inline as the whole plain step is
             self._frames.append(_Frame(module, None, skipped=True))
             return
+        if thread_state.recomputing is not None:
+            # 1. A checkpoint around the model recomputing it in backward: part of the
+            # step whose forward it replays, in that step's arm; no mark.
+            if self._frames_plain:
+                call.bypass = Reason.TUNING
+            self._frames.append(_Frame(module, None, skipped=True))
+            return
         training = torch.is_grad_enabled()
         if training and not self._my_turn():
             return  # 6. another model is tuning: this one runs its plan, untimed
@@ -245,10 +255,13 @@ class Tuner:
                 stream = self.backend.current_stream(self.device)
                 self._open.marks.append(self.clock.mark(stream))
             return "pending"
-        if sys.exc_info()[1] is not frame.outer_exception:
-            # 3. A forward that raised counts nothing; and nothing is decided while its
-            # exception unwinds (torch then runs the hooks from the live dict).
-            frame.step.arm = None
+        error = sys.exc_info()[1]
+        if error is not frame.outer_exception:
+            # 3. A forward that raised counts nothing (a checkpoint's early stop is no
+            # failure); and nothing is decided while its exception unwinds (torch then
+            # runs the hooks from the live dict).
+            if error is None or not is_checkpoint_early_stop(error):
+                frame.step.arm = None
             return "pending"
         return self._decide()
 

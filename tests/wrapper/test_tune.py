@@ -651,3 +651,37 @@ def test_a_forward_replaying_a_graph_stops_tuning() -> None:
     assert model.tuning is not None and model.tuning.decision == "pending"
     train(model, 40)
     assert model.tuning.decision == "pending"  # nothing times the replays
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_a_checkpoint_around_the_whole_model_recomputes_in_its_steps_arm(
+    with_optimizer: bool,
+) -> None:
+    # Non-reentrant checkpoint recomputes the model in backward and stops early by raising
+    # through it: neither a forward that raised nor a step of its own.
+    model, backend = wrap(planned_ms(8.0, 10.0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01) if with_optimizer else None
+    forked: list[bool] = []
+    model.get_submodule("towers.0").register_forward_pre_hook(
+        lambda module, args: forked.append(backend.current_stream().id != 0)
+    )
+    x = two_tower_input()
+    per_step: list[tuple[list[bool], list[bool]]] = []
+    for _ in range(100):
+        forked.clear()
+        loss = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False).sum()
+        in_forward = list(forked)
+        loss.backward()
+        per_step.append((in_forward, forked[len(in_forward) :]))
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        assert model.tuning is not None
+        if model.tuning.decision != "pending":
+            break
+    # Every backward recomputed the model once, in the arm its forward ran.
+    assert all(backward == forward for forward, backward in per_step[:-1]), per_step
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert len(tuning.plan_ms) == len(tuning.plain_ms) == 6
+    assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
