@@ -2,14 +2,18 @@
 
 Once a plan is in force, two hooks on the model's root run a :class:`Tuner`:
 
-1. A training step starts at a training forward: the first one after an optimizer step
-   (``torch.optim``'s global step hook counts them), or every training forward in a loop
-   that has run no optimizer step since tuning began. It records a timing mark on the
-   caller's stream in the root pre-hook; the time from one mark to the next is the step
-   (its forwards, backward, optimizer, whatever the loop does), credited to its arm. So
-   gradient accumulation or a loss over two forwards is one step, in one arm; so is a
-   checkpoint's recomputation of the whole model in backward (it stops early by raising
-   through the model on purpose: not a forward that raised).
+1. A training step is one iteration of the user's loop. It starts at the first training
+   forward after a step of *the model's optimizer*: the first ``torch.optim`` optimizer
+   holding one of the model's parameters to step while it tunes (``torch.optim``'s global
+   step hook tells). Steps of other optimizers (a GAN's discriminator's, between the
+   generator's two forwards) do not end it. A model no optimizer updates (frozen) falls
+   back to any optimizer's steps; a loop with no optimizer step, to every training
+   forward. It records a timing mark on the caller's stream in the root pre-hook; the
+   time from one mark to the next is the step (its forwards, backward, optimizer,
+   whatever the loop does), credited to its arm. So gradient accumulation, a loss over
+   two forwards or a GAN iteration is one step, in one arm; so is a checkpoint's
+   recomputation of the whole model in backward (it stops early by raising through the
+   model on purpose: not a forward that raised).
 2. The arms alternate by step, plain then planned: in a plain step every stage call runs
    inline on the caller's stream (a ``BYPASSED``/``tuning`` stage call, as under
    ``ooo_wrap.disabled()``; a checkpoint's recomputation in that step's backward too), so
@@ -46,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -93,28 +98,34 @@ class _Frame:
 # A tuner's turn (6.): the one tuning now, and training forwards of others since its last.
 _turn: weakref.ref[Tuner] | None = None
 _idle = 0
-# Optimizer steps run in the process (1.), counted by torch.optim's global step hook.
+# Optimizer steps run in the process (1.), counted by torch.optim's global step hook,
+# which also tells each tuning model's tuner (held weakly) which optimizer stepped.
 _optimizer_steps = 0
 _optimizer_hook: RemovableHandle | None = None
+_tuners: weakref.WeakSet[Tuner] = weakref.WeakSet()
 
 
-def _count_optimizer_step(optimizer: object, args: object, kwargs: object) -> None:
+def _count_optimizer_step(optimizer: Optimizer, args: object, kwargs: object) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
+    for tuner in tuple(_tuners):
+        tuner.optimizer_stepped(optimizer)
 
 
-def _watch_optimizer_steps() -> None:
-    """Count optimizer steps from now on (once per process; a counter, nothing else)."""
+def _watch_optimizer_steps(tuner: Tuner) -> None:
+    """Tell ``tuner`` of optimizer steps from now on (one global hook per process)."""
     global _optimizer_hook
     if _optimizer_hook is None:
         _optimizer_hook = register_optimizer_step_post_hook(_count_optimizer_step)
+    _tuners.add(tuner)
 
 
 @dataclass(eq=False, repr=False)
 class Tuner:
     """What the two root hooks of a tuning model do: time plain and planned steps, and say
     when the decision is made (the wrap state registers the hooks, after the scheduler's,
-    and applies the decision). ``steps``: counted steps per arm before deciding."""
+    and applies the decision). ``steps``: counted steps per arm before deciding;
+    ``model``: the wrapped model, weakly, to tell which optimizer updates it."""
 
     scheduler: Scheduler
     backend: Backend
@@ -122,6 +133,7 @@ class Tuner:
     device: torch.device
     clock: StepClock
     steps: int
+    model: weakref.ref[nn.Module]
 
     def __post_init__(self) -> None:
         self._closed: list[_Step] = []  # finished counted steps
@@ -134,7 +146,11 @@ class Tuner:
         self._shapes: list[tuple[torch.Size, torch.dtype]] | None = None
         self._synced = False
         self._capture_reported = False
-        _watch_optimizer_steps()
+        # 1. The model's optimizer once one stepped, its steps, and those at the last mark.
+        self._own_optimizer: weakref.ref[Optimizer] | None = None
+        self._own_steps = 0
+        self._own_steps_at_mark = 0
+        _watch_optimizer_steps(self)
         self._optimizer_steps_at_start = _optimizer_steps
         self._optimizer_steps_at_mark = _optimizer_steps
 
@@ -146,6 +162,7 @@ class Tuner:
         global _turn
         if _turn is not None and _turn() is self:
             _turn = None
+        _tuners.discard(self)
         self.scheduler.bypass_outside_forward = None
         self.scheduler.layout_by_tuner = False
 
@@ -224,6 +241,7 @@ class Tuner:
         # 1. This mark ends the open step and starts a new one.
         mark = self.clock.mark(stream)
         self._optimizer_steps_at_mark = _optimizer_steps
+        self._own_steps_at_mark = self._own_steps
         if step is not None:
             step.marks.append(mark)
             if step.arm is not None and len(step.marks) % 2 == 0:
@@ -265,9 +283,27 @@ class Tuner:
             return "pending"
         return self._decide()
 
+    def optimizer_stepped(self, optimizer: Optimizer) -> None:
+        """1. ``optimizer`` stepped: count it if it is the model's optimizer. The first to
+        step holding one of the model's parameters becomes the model's (again if that one
+        is freed: a loop that makes a new optimizer)."""
+        if self._own_optimizer is None or self._own_optimizer() is None:
+            model = self.model()
+            ours = {id(param) for param in model.parameters()} if model is not None else set()
+            groups = optimizer.param_groups
+            if not any(id(param) in ours for group in groups for param in group["params"]):
+                return
+            self._own_optimizer = weakref.ref(optimizer)
+        elif self._own_optimizer() is not optimizer:
+            return
+        self._own_steps += 1
+
     def _continues(self, step: _Step) -> bool:
-        """Whether a training forward now belongs to ``step``: no optimizer step ran since
-        its mark, while the loop has run optimizer steps (so steps are bounded by them)."""
+        """Whether a training forward now belongs to ``step``: the model's optimizer has
+        not stepped since its mark; or, while no optimizer updating the model is known, no
+        optimizer at all, while the loop has run some (else every forward is a step)."""
+        if self._own_optimizer is not None and self._own_optimizer() is not None:
+            return self._own_steps == self._own_steps_at_mark
         stepped = _optimizer_steps != self._optimizer_steps_at_start
         return stepped and _optimizer_steps == self._optimizer_steps_at_mark
 

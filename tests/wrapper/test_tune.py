@@ -685,3 +685,97 @@ def test_a_checkpoint_around_the_whole_model_recomputes_in_its_steps_arm(
     assert tuning is not None and tuning.decision == "plan"
     assert len(tuning.plan_ms) == len(tuning.plain_ms) == 6
     assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
+
+
+def _gan_step_ms(gain: float) -> StepTime:
+    """A GAN iteration's simulated time: its discriminator phase costs 6 ms and its
+    generator phase 2 ms (a probe call in each, whatever the arm), less ``gain`` if the
+    wrapped model ran on side streams in it."""
+
+    def step_time(calls: Sequence[StreamCall]) -> float:
+        probes = sum(
+            6.0 if c.tensor == "float32[6]" else 2.0 if c.tensor == "float32[2]" else 0.0
+            for c in calls
+        )
+        return probes - (gain if _forked(calls) else 0.0)
+
+    return step_time
+
+
+def _train_gan(wrapped: str, gain: float) -> ooo_wrap.OOOModule:
+    """Train a GAN until the wrapped ``"generator"`` or ``"discriminator"`` has tuned: per
+    iteration the generator runs twice and the discriminator three times, each with its
+    own optimizer, the discriminator's stepping between the generator's forwards."""
+    backend = SimulatedBackend(step_time=_gan_step_ms(gain))
+    generator: nn.Module = make_two_towers()
+    discriminator: nn.Module = make_two_towers()
+    if wrapped == "generator":
+        generator = ooo_wrap.OOOModule(generator, backend=backend, stages=STAGES, planner="static")
+    else:
+        discriminator = ooo_wrap.OOOModule(
+            discriminator, backend=backend, stages=STAGES, planner="static"
+        )
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.01)
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.01)
+    d_phase, g_phase = torch.empty(6), torch.empty(2)  # priced probes
+    real = two_tower_input()
+    z = two_tower_input(batch=3) * 0.5
+    model = generator if wrapped == "generator" else discriminator
+    for _ in range(200):
+        fake = generator(z)
+        d_loss = discriminator(fake.detach()).mean() - discriminator(real).mean()
+        opt_d.zero_grad()
+        d_loss.backward()
+        backend.record_stream(d_phase, backend.current_stream())
+        opt_d.step()
+        g_loss = -discriminator(generator(z)).mean()
+        opt_g.zero_grad()
+        g_loss.backward()
+        backend.record_stream(g_phase, backend.current_stream())
+        opt_g.step()
+        assert model.tuning is not None
+        if model.tuning.decision != "pending":
+            break
+    assert isinstance(model, ooo_wrap.OOOModule)
+    return model
+
+
+@pytest.mark.parametrize("wrapped", ["generator", "discriminator"])
+@pytest.mark.parametrize(("gain", "speedup"), [(0.0, 1.0), (2.0, 4 / 3)])
+def test_a_gan_iteration_is_one_step(wrapped: str, gain: float, speedup: float) -> None:
+    # The discriminator's optimizer steps between the generator's two forwards: only the
+    # wrapped model's own optimizer bounds its steps, so each arm times whole iterations.
+    tuning = _train_gan(wrapped, gain).tuning
+    assert tuning is not None and tuning.speedup is not None
+    assert tuning.speedup == pytest.approx(speedup, rel=0.05)
+    assert tuning.decision == ("plan" if gain else "plain")
+    assert set(tuning.plain_ms) == {8.0} and set(tuning.plan_ms) == {8.0 - gain}
+
+
+@pytest.mark.parametrize("loop", ["two_optimizers", "frozen", "no_optimizer"])
+def test_other_loops_decide_as_a_plain_loop_does(loop: str) -> None:
+    # One model stepped by two optimizers back to back; a frozen wrapped model (no
+    # optimizer holds it) in a loop with one optimizer; a loop with no optimizer at all.
+    model, _ = wrap(planned_ms(8.0, 10.0))
+    towers = [model.get_submodule(name) for name in STAGES]
+    head = nn.Linear(4, 4)
+    if loop == "two_optimizers":
+        optimizers = [torch.optim.SGD(t.parameters(), lr=0.01) for t in towers]
+    elif loop == "frozen":
+        model.requires_grad_(False)
+        optimizers = [torch.optim.SGD(head.parameters(), lr=0.01)]
+    else:
+        optimizers = []
+    x = two_tower_input()
+    for _ in range(100):
+        head(model(x)).sum().backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        assert model.tuning is not None
+        if model.tuning.decision != "pending":
+            break
+    tuning = model.tuning
+    assert tuning is not None and tuning.decision == "plan"
+    assert len(tuning.plan_ms) == len(tuning.plain_ms) == 6
+    assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
