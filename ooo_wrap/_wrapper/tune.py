@@ -22,7 +22,8 @@ Once a plan is in force, two hooks on the model's root run a :class:`Tuner`:
    tracing, or had other input shapes than the first tuned step. A forward with gradients
    off (evaluation) is left out of the step it falls in: marks before and after it cut its
    time out. Under a graph capture nothing is recorded (a capture cannot hold a timing
-   event) and the open step is not counted. Compiled forwards are not seen.
+   event) and the open step is not counted; the graph holds the planned arm, its
+   backward's checkpoint recomputations included. Compiled forwards are not seen.
 4. After ``tune_steps`` counted steps per arm the step times are read, without a host
    sync, from the marks the device has passed. The plan is kept only if its median step
    beats the plain median by more than the noise (2 % and the larger arm's interquartile
@@ -212,13 +213,16 @@ class Tuner:
             return
         training = torch.is_grad_enabled()
         if training and not self._my_turn():
-            return  # 6. another model is tuning: this one runs its plan, untimed
+            self._run_planned()  # 6. another model is tuning: this one runs its plan, untimed
+            return
         backend = self.backend
         stream = backend.current_stream(self.device)
         if backend.is_capturing(stream):
-            # 3. No timing event in a capture: the open step cannot be timed.
+            # 3. No timing event in a capture: the open step cannot be timed. The graph
+            # holds the planned arm, so its backward must recompute as planned too.
             if self._open is not None:
                 self._open.arm = None
+            self._run_planned()
             self._frames.append(_Frame(module, None, skipped=True))
             self._report_capture()
             return
@@ -306,6 +310,11 @@ class Tuner:
             return self._own_steps == self._own_steps_at_mark
         stepped = _optimizer_steps != self._optimizer_steps_at_start
         return stepped and _optimizer_steps == self._optimizer_steps_at_mark
+
+    def _run_planned(self) -> None:
+        """This forward runs the plan, untimed: so does what its backward recomputes."""
+        self.scheduler.bypass_outside_forward = None
+        self._frames_plain = False
 
     def _my_turn(self) -> bool:
         """6. Whether this tuner may time this step: its turn, or a free or idle one."""

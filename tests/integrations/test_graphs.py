@@ -18,13 +18,14 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 import ooo_wrap
 from ooo_wrap._compat import forward_hook_dicts
 from ooo_wrap._planner import api as planner_api
 from ooo_wrap._wrapper import registry
-from ooo_wrap.testing import SimulatedBackend
+from ooo_wrap.testing import DetectingBackend, SimulatedBackend, detect
 from tests.support.models import Towers, hook_count
 
 DIM = 6
@@ -102,6 +103,52 @@ def test_the_warm_up_learns_a_dataflow_plan_before_the_capture_would_start() -> 
     assert not model.plan.pending and len(model.plan.stages) >= 2
     # Step 1 learned inline; step 2 ran every stage on its side stream, as a capture would.
     assert model.stats.stage_calls == len(model.plan.stages)
+
+
+class _CheckpointedTowers(nn.Module):
+    """Towers whose parent checkpoints them: backward recomputes each tower's stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Towers()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(self.inner, x, use_reentrant=False)
+        return out
+
+
+def test_a_capture_after_a_plain_tuning_step_recomputes_as_its_forward_ran() -> None:
+    # The default warmup=3 with the static plan: plain, planned, plain steps of measured
+    # tuning, then the capture. The graph holds the planned arm: its backward must
+    # recompute the checkpointed stages on their side streams too, as its forward ran them.
+    backend = DetectingBackend(step_time=lambda calls: 1.0)
+    model = ooo_wrap.OOOModule(_CheckpointedTowers(), streams=2, backend=backend, planner="static")
+    assert model.tuning is not None
+    where: list[tuple[bool, int]] = []  # (in the forward, stream id) per stage call
+    in_forward = [True]
+    for stage in model.plan.stages:
+        model.get_submodule(stage.name).register_forward_pre_hook(
+            lambda module, args: where.append((in_forward[0], backend.current_stream().id))
+        )
+    step = _step_for(model)
+    sample = _batches(1)[0]
+    ooo_wrap.graphed_step(step, *sample, warmup=3)  # no CUDA here: the warm-up only
+    assert model.tuning.decision == "pending"
+    where.clear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with detect(backend, keep_alive=[model]) as found, backend.capturing():
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(sample[0]), sample[1])
+        in_forward[0] = False
+        loss.backward()
+        # Gradients live in .grad until the next zero_grad, like parameters.
+        found.keep_alive(*(p.grad for p in model.parameters() if p.grad is not None))
+        with found.phase("step"):
+            optimizer.step()
+    forward = [stream for forward, stream in where if forward]
+    backward = [stream for forward, stream in where if not forward]
+    assert forward == backward and 0 not in forward, where
+    assert not found.races and not found.allocator_hazards
 
 
 def test_a_step_returning_a_nest_of_tensors_returns_it() -> None:

@@ -596,20 +596,23 @@ def test_shapes_that_keep_changing_keep_the_plan_unmeasured() -> None:
     assert side_stream_calls(backend) == 2
 
 
-def test_a_plain_step_recomputes_checkpointed_stages_inline() -> None:
-    class Checkpointed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.towers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+class Checkpointed(nn.Module):
+    """Two towers that its forward checkpoints: backward recomputes both stages."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            def body(x: torch.Tensor) -> torch.Tensor:
-                out: torch.Tensor = self.towers[0](x).tanh() + self.towers[1](x).tanh()
-                return out
+    def __init__(self) -> None:
+        super().__init__()
+        self.towers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
 
-            out: torch.Tensor = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def body(x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.towers[0](x).tanh() + self.towers[1](x).tanh()
             return out
 
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+        return out
+
+
+def test_a_plain_step_recomputes_checkpointed_stages_inline() -> None:
     backend = SimulatedBackend(step_time=planned_ms(8.0, 10.0), keep_all=True)
     model = ooo_wrap.OOOModule(Checkpointed(), backend=backend, stages=STAGES, planner="static")
     until_decided(model)
@@ -779,3 +782,24 @@ def test_other_loops_decide_as_a_plain_loop_does(loop: str) -> None:
     assert tuning is not None and tuning.decision == "plan"
     assert len(tuning.plan_ms) == len(tuning.plain_ms) == 6
     assert set(tuning.plan_ms) == {8.0} and set(tuning.plain_ms) == {10.0}
+
+
+def test_a_model_that_lost_its_turn_recomputes_as_its_forward_ran() -> None:
+    # Model a's last tuned step ran plain; then a paused and b took the turn. a's next
+    # forward runs its plan untimed, and so must its backward's recomputations.
+    backend = SimulatedBackend(step_time=planned_ms(8.0, 10.0))
+    a = ooo_wrap.OOOModule(Checkpointed(), backend=backend, stages=STAGES, planner="static")
+    b = ooo_wrap.OOOModule(make_two_towers(), backend=backend, stages=STAGES, planner="static")
+    forked: list[bool] = []
+    a.get_submodule("towers.0").register_forward_pre_hook(
+        lambda module, args: forked.append(backend.current_stream().id != 0)
+    )
+    x = two_tower_input()
+    train(a, 1, x)  # a's plain warm-up step
+    assert forked == [False, False]
+    train(b, 9, x)  # a idle for 8 forwards of others: b takes the turn
+    forked.clear()
+    loss = a(x).sum()
+    in_forward = list(forked)
+    loss.backward()
+    assert in_forward == [True] and forked[1:] == [True]
