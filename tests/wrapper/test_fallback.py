@@ -108,10 +108,9 @@ def test_stages_on_two_devices_are_untouched() -> None:
     [
         (nn.Linear(4, 4), None),  # no children: no stage
         (nn.Sequential(nn.Linear(4, 4)), None),  # one childless stage
-        (nn.Sequential(nn.ReLU(), nn.Tanh()), None),  # nothing with parameters
         (make_two_towers(), ["towers.0"]),  # one stage named
     ],
-    ids=["leaf", "one_stage", "stateless", "one_named"],
+    ids=["leaf", "one_stage", "one_named"],
 )
 def test_fewer_than_two_stages_is_untouched(model: nn.Module, stages: list[str] | None) -> None:
     cls, hooks = type(model), hook_snapshot(model)
@@ -144,6 +143,43 @@ def test_a_single_named_stage_says_it_has_nothing_to_overlap_with(planner: str, 
     )
     assert "name stages with" not in event.message  # the user did
     assert "two or more" in event.message
+
+
+class Stateless(nn.Module):
+    """Two sub-modules, neither with a parameter or a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.ReLU(), nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.left(x) * self.right(x)
+
+
+@pytest.mark.parametrize("tune", [True, "auto", False])
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+@pytest.mark.parametrize("stages", [None, ["left", "right"]], ids=["automatic", "named"])
+@pytest.mark.parametrize("backend", ["simulated", "timed", "accelerator"])
+def test_a_model_without_parameters_or_buffers_falls_back_whatever_the_options(
+    tune: Any, planner: str, stages: list[str] | None, backend: str
+) -> None:
+    # It has no device to put side streams on (nor to time steps on, with tune=True).
+    backends = {
+        "simulated": SimulatedBackend(),
+        "timed": SimulatedBackend(step_time=lambda step: 1.0),
+        "accelerator": None,
+    }
+    model = Stateless()
+    hooks = hook_snapshot(model)
+    wrapped = OOOModule(model, backend=backends[backend], tune=tune, planner=planner, stages=stages)
+    assert wrapped is model
+    assert_untouched(model, Stateless, hooks)
+    event = only_event(model)
+    assert (event.kind, event.reason) == (EventKind.DISABLED, "too_few_stages")
+    assert event.message.startswith("the model has neither parameters nor buffers")
+    x = torch.randn(3, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None
 
 
 def test_fallback_is_logged_at_info_on_the_ooo_wrap_logger(
