@@ -117,8 +117,7 @@ class WrapState:
         return [handle for part in _ALL for handle in self._hooks[part]]
 
     def events(self) -> tuple[OOOEvent, ...]:
-        if self.scheduler is not None:
-            self.scheduler.sync_compiled_events()
+        self._sync_compiled()
         return self.log.snapshot()
 
     def tuning(self) -> Tuning | None:
@@ -350,9 +349,17 @@ class WrapState:
 
     # --- helpers ------------------------------------------------------------------------
 
+    def _sync_compiled(self) -> None:
+        """Log what the hooks noted inside compiled code, where the log can't be written."""
+        if self.scheduler is not None:
+            self.scheduler.sync_compiled_events()
+        if self.learner is not None and (event := self.learner.compiled_event()) is not None:
+            self.log.add(event, level=logging.INFO)
+
     def _remove(self, *parts: Part) -> None:
         """Remove the hooks of ``parts`` and let go of what ran them: the one place the
         wrapper's hooks come off. The caller sets the phase."""
+        self._sync_compiled()  # before the parts that noted it go
         for part in parts:
             for handle in self._hooks[part]:
                 handle.remove()
