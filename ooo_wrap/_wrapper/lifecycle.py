@@ -261,6 +261,11 @@ class WrapState:
             self.log.add(
                 OOOEvent(EventKind.PLANNED, "learned", summary(the_plan)), level=logging.INFO
             )
+        if found is not None and found.named_chain and failure is None:
+            self.log.add(
+                OOOEvent(EventKind.PLANNED, "named_chain", found.named_chain_message),
+                level=logging.INFO,
+            )
         if found is not None and found.outcome == "no_parallelism":
             self._stop(Reason.NO_PARALLELISM, found.no_parallelism_message)
             return
