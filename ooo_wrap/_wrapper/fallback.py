@@ -23,9 +23,16 @@ from .lifecycle import devices
 from .options import WrapOptions
 from .registry import detached, wrapped
 
-__all__ = ["record_fallback", "refuse_nested", "what_to_install"]
+__all__ = ["UNTOUCHED", "record_fallback", "refuse_nested", "what_to_install"]
 
 logger = logging.getLogger("ooo_wrap")
+
+# The end of the message of every model returned untouched: nothing of the wrapper is on it,
+# so model.events raises AttributeError, and the event has to say where it can be read.
+UNTOUCHED = (
+    "; returned untouched (no model.events, model.plan, model.stats or model.tuning on it): "
+    "read its events with ooo_wrap.events_for(model)"
+)
 
 
 def what_to_install(
@@ -81,8 +88,8 @@ def record_fallback(
     model: nn.Module, reason: str, *, warn: bool = False, message: str | None = None
 ) -> nn.Module:
     """Leave ``model`` untouched, record a ``DISABLED`` event for it and return it; the
-    event's message is ``message``, or the reason's usual one."""
-    event = OOOEvent(EventKind.DISABLED, reason, message or MESSAGES[reason])
+    event's message is ``message``, or the reason's usual one, then where to read it."""
+    event = OOOEvent(EventKind.DISABLED, reason, (message or MESSAGES[reason]) + UNTOUCHED)
     detached[model] = (event,)
     logger.info("%s", event)
     if warn:

@@ -392,3 +392,33 @@ def test_warnings_point_at_the_callers_line() -> None:
         OOOModule(make_two_towers(), backend=NoStreamsBackend(), planner="static")
     ours = [w.filename for w in record if str(w.message).startswith("ooo_wrap")]
     assert ours == [__file__, __file__]
+
+
+# --- a model returned untouched has no model.events: its events say where they are --------
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "case", ["cpu", "too_few_stages", "multi_device", "compiled", "script", "setup_failed"]
+)
+def test_every_untouched_model_says_to_read_its_events_with_events_for(case: str) -> None:
+    model: nn.Module = make_two_towers()
+    options: dict[str, Any] = {"backend": SimulatedBackend(), "planner": "static"}
+    if case == "cpu":
+        options = {"planner": "static"}
+    elif case == "too_few_stages":
+        options["stages"] = ["towers.0"]
+    elif case == "multi_device":
+        model.towers[1].to("meta")
+    elif case == "compiled":
+        model = torch.compile(model)  # type: ignore[assignment]
+    elif case == "script":
+        model = torch.jit.script(Scriptable())
+    else:
+        options["backend"] = NoStreamsBackend()
+    assert OOOModule(model, **options) is model
+    with pytest.raises(AttributeError):
+        model.events  # noqa: B018  # untouched: nothing of the wrapper on it
+    event = ooo_wrap.events_for(model)[-1]
+    assert "returned untouched" in event.message
+    assert "read its events with ooo_wrap.events_for(model)" in event.message
