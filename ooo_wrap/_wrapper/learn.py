@@ -36,7 +36,7 @@ from .._runtime.backend import Backend
 from .._runtime.bypass import eager_bypass_reason
 from .._stats import Counters
 
-__all__ = ["Learned", "Learner", "pending_plan", "removed_before_learning", "summary"]
+__all__ = ["Learned", "Learner", "learned_events", "pending_plan", "removed_before_learning"]
 
 
 class Learned(NamedTuple):
@@ -225,8 +225,9 @@ def _compiled_before_learning() -> OOOEvent:
     )
 
 
-def summary(the_plan: Plan) -> str:
-    """The message of the ``PLANNED``/``learned`` event."""
+def learned_events(the_plan: Plan) -> tuple[OOOEvent, ...]:
+    """The ``PLANNED``/``learned`` event, then ``PLANNED``/``named_chain`` where the named
+    stages form one chain."""
     learned = learned_of(the_plan)
     assert learned is not None  # only called for learned plans
     regions = plural(len(learned.regions), "parallel region")
@@ -236,4 +237,7 @@ def summary(the_plan: Plan) -> str:
     )
     if learned.estimate is not None and the_plan.stages:
         text += f"; {learned.estimate}"
-    return text
+    events: tuple[OOOEvent, ...] = (OOOEvent(EventKind.PLANNED, "learned", text),)
+    if learned.named_chain:  # none of them can overlap another: say so
+        events += (OOOEvent(EventKind.PLANNED, "named_chain", learned.named_chain_message),)
+    return events

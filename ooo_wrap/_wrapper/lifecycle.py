@@ -48,7 +48,7 @@ from .._runtime.backend import Backend, clock_of
 from .._runtime.scheduler import Scheduler, running
 from .._runtime.variants import scheduler_class
 from .._stats import Counters
-from .learn import Learned, Learner, pending_plan, removed_before_learning, summary
+from .learn import Learned, Learner, learned_events, pending_plan, removed_before_learning
 from .options import WrapOptions
 from .tune import Tuner
 from .tuning import Tuning, slower_why, tuned_event
@@ -117,7 +117,10 @@ class WrapState:
         return [handle for part in _ALL for handle in self._hooks[part]]
 
     def events(self) -> tuple[OOOEvent, ...]:
-        self._sync_compiled()
+        if self.scheduler is not None:
+            self.scheduler.sync_compiled_events()
+        if self.learner is not None and (event := self.learner.compiled_event()) is not None:
+            self.log.add(event, level=logging.INFO)  # noted inside compiled code, logged here
         return self.log.snapshot()
 
     def tuning(self) -> Tuning | None:
@@ -242,6 +245,7 @@ class WrapState:
     def _learned(self, model: nn.Module, learned: Learned) -> None:
         """``LEARNING`` -> the plan's hooks, or ``STOPPED`` (an event says why)."""
         the_plan, failure, removed = learned
+        self.events()  # logs what the learner noted in compiled code, before it goes
         self._remove("learner")
         self.plan, self.phase = the_plan, Phase.STOPPED
         found = learned_of(the_plan)
@@ -258,14 +262,8 @@ class WrapState:
                 level=logging.WARNING,
             )
         elif found is not None:
-            self.log.add(
-                OOOEvent(EventKind.PLANNED, "learned", summary(the_plan)), level=logging.INFO
-            )
-        if found is not None and found.named_chain and failure is None:
-            self.log.add(
-                OOOEvent(EventKind.PLANNED, "named_chain", found.named_chain_message),
-                level=logging.INFO,
-            )
+            for event in learned_events(the_plan):
+                self.log.add(event, level=logging.INFO)
         if found is not None and found.outcome == "no_parallelism":
             self._stop(Reason.NO_PARALLELISM, found.no_parallelism_message)
             return
@@ -354,17 +352,9 @@ class WrapState:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _sync_compiled(self) -> None:
-        """Log what the hooks noted inside compiled code, where the log can't be written."""
-        if self.scheduler is not None:
-            self.scheduler.sync_compiled_events()
-        if self.learner is not None and (event := self.learner.compiled_event()) is not None:
-            self.log.add(event, level=logging.INFO)
-
     def _remove(self, *parts: Part) -> None:
         """Remove the hooks of ``parts`` and let go of what ran them: the one place the
         wrapper's hooks come off. The caller sets the phase."""
-        self._sync_compiled()  # before the parts that noted it go
         for part in parts:
             for handle in self._hooks[part]:
                 handle.remove()
