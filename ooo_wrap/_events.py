@@ -24,7 +24,7 @@ class EventKind(ValueEnum):
     """The kind of an :class:`OOOEvent`."""
 
     ENABLED = "enabled"
-    PLANNED = "planned"  # the dataflow planner learned, fell back to the static plan, or replans
+    PLANNED = "planned"  # learned (named stages in one chain said so), static fallback, replan
     DISABLED = "disabled"
     TUNED = "tuned"  # measured tuning kept the plan, or could not finish before a capture
     SETUP_FAILED = "setup_failed"

@@ -40,6 +40,7 @@ from .placement import (
     RegionWalk,
     assign_named,
     assign_regions,
+    named_chain,
 )
 from .regions import RegionKey, RegionRule, call_dag, parallels
 from .simulate import BACKWARD_FACTOR, simulate, step_ops
@@ -97,6 +98,7 @@ def learn(
     estimate: StepEstimate | None = None
     rejected: tuple[RejectedRegion, ...] = ()
     unfit = ""
+    chain_of_named: tuple[str, ...] = ()
     if stages is None:
         unfit = _best_unfit(record, gpu)
         walk, wanted, estimate, rejected, notes = _decide(
@@ -107,6 +109,7 @@ def learn(
     if stages is not None:
         names = as_stage_names(stages, "stages=")
         wanted = assign_named(record, names, max_streams)
+        chain_of_named = named_chain(record, names)
         for name in names:
             if name not in wanted:  # e.g. a training-only head: any stream will do
                 wanted[name] = 0
@@ -156,6 +159,7 @@ def learn(
         estimate=estimate,
         rejected=rejected,
         unfit=unfit,
+        named_chain=chain_of_named,
     )
 
 

@@ -137,6 +137,8 @@ class LearnedPlan:
         estimate: the simulated step with this plan against one stream (``None`` for named
             stages: not estimated).
         rejected: regions found but not kept, with their simulated numbers.
+        named_chain: for named stages whose calls form one chain (each reads what the one
+            before it wrote), their calls in order; else empty.
     """
 
     stages: tuple[LearnedStage, ...]
@@ -156,6 +158,7 @@ class LearnedPlan:
     rejected: tuple[RejectedRegion, ...] = ()
     unfit: str = ""  # with no region found: the best candidate group of branches, and why
     chain_us: float = 0.0  # estimated forward device time of ``longest_chain``
+    named_chain: tuple[str, ...] = ()
 
     @property
     def stage_streams(self) -> dict[str, int]:
@@ -189,6 +192,20 @@ class LearnedPlan:
             f"no parallel region worth a side stream (estimated on {self.gpu}){why}; "
             f"longest chain: {format_chain(self.longest_chain)}, {self.chain_us:.1f} µs of "
             f"the {self.forward_us:.1f} µs forward"
+        )
+
+    @property
+    def named_chain_message(self) -> str:
+        """The message for a ``PLANNED``/``named_chain`` event (and the table's line): named
+        stages that cannot overlap each other, and why they keep their hooks."""
+        return (
+            f"the named stages form one chain ({format_chain(self.named_chain)}): each reads "
+            "what the one before it wrote, so none of them can overlap another; they keep "
+            "their hooks, as named (only work of the caller's that does not depend on them "
+            "can overlap them): expect the hooks' cost and little gain. Measured tuning "
+            "(tune='auto' on an accelerator) removes the hooks if the step is slower with "
+            "them; or leave the stage names out (stages=, ooo_stage_names) to let the planner "
+            "decide (finding no parallel region, it removes every hook)"
         )
 
     def count_edges(self, stage_streams: Mapping[str, int]) -> EdgeCount:
@@ -324,6 +341,8 @@ def render(learned: LearnedPlan) -> str:
             why = branch.why if below else rejected.why(branch)
             rows.append((str(index), ", ".join(branch.calls), f"{branch.device_us:.1f}", why))
         lines += _table(rows)
+    if learned.named_chain:
+        lines.append(f"  {learned.named_chain_message}")
     if learned.outcome == "named":
         named: list[tuple[str, ...]] = [("stage", "stream", "est. µs", "calls")]
         named += [

@@ -33,6 +33,7 @@ Streams are side-stream indices ``0..streams-1``; ``None`` is the caller's strea
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -47,6 +48,7 @@ __all__ = [
     "RegionWalk",
     "assign_named",
     "assign_regions",
+    "named_chain",
     "stage_edges",
 ]
 
@@ -358,6 +360,22 @@ def assign_named(root: CallRecord, names: Collection[str], streams: int) -> dict
         stream_of_call[call.call_id] = stream
         load[stream] += by_id[call.call_id].device_us
     return chosen
+
+
+def named_chain(root: CallRecord, names: Collection[str]) -> tuple[str, ...]:
+    """The named stages' calls in program order if they form one chain (each reads, directly
+    or through the caller's ops, what the one before it wrote, so no two can run at once),
+    else ``()``; also ``()`` for fewer than two calls."""
+    calls = _outermost(root, set(names))
+    if len(calls) < 2:
+        return ()
+    preds: dict[int, set[int]] = {call.call_id: set() for call in calls}
+    for producer, consumer in stage_edges(root, preds):
+        preds[consumer].add(producer)
+    # Each call must depend on the one before it: then, by transitivity, on all before it.
+    if any(a.call_id not in preds[b.call_id] for a, b in itertools.pairwise(calls)):
+        return ()
+    return tuple(call.name for call in calls)
 
 
 def _outermost(call: CallRecord, names: set[str]) -> list[CallRecord]:

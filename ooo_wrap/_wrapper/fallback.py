@@ -23,9 +23,16 @@ from .lifecycle import devices
 from .options import WrapOptions
 from .registry import detached, wrapped
 
-__all__ = ["record_fallback", "refuse_nested", "what_to_install"]
+__all__ = ["UNTOUCHED", "record_fallback", "refuse_nested", "what_to_install"]
 
 logger = logging.getLogger("ooo_wrap")
+
+# The end of the message of every model returned untouched: nothing of the wrapper is on it,
+# so model.events raises AttributeError, and the event has to say where it can be read.
+UNTOUCHED = (
+    "; returned untouched (no model.events, model.plan, model.stats or model.tuning on it): "
+    "read its events with ooo_wrap.events_for(model)"
+)
 
 
 def what_to_install(
@@ -33,8 +40,11 @@ def what_to_install(
 ) -> tuple[Plan, torch.device | None] | None:
     """The plan to install and the device to learn it on (``None`` for a static plan), or
     ``None`` if the model falls back (its event recorded)."""
+    if not devices(model):
+        record_fallback(model, Reason.TOO_FEW_STAGES, message=_NO_TENSORS)
+        return None
     reasons = [backend.unsupported_reason(device) for device in devices(model)]
-    if reasons and all(reason is not None for reason in reasons):
+    if all(reason is not None for reason in reasons):
         _device_fallback(model, str(reasons[0]), options)
         return None
     if options.tune is True and clock_of(backend, devices(model)[0]) is None:
@@ -51,9 +61,6 @@ def what_to_install(
             _too_few_stages(model, named)
             return None
         usable = [d for d in devices(model) if backend.unsupported_reason(d) is None]
-        if not usable:  # a model with neither parameters nor buffers
-            record_fallback(model, Reason.TOO_FEW_STAGES)
-            return None
         return pending_plan(options.streams), usable[0]
     the_plan = plan(model, options.streams, stages=options.stages)
     if len(the_plan.stages) < 2:
@@ -69,12 +76,20 @@ def what_to_install(
     return the_plan, None
 
 
+# A stage's device is that of its parameters or buffers: without any, there is no device to
+# put side streams on or to time steps on, whatever the stage names say.
+_NO_TENSORS = (
+    "the model has neither parameters nor buffers: no stage to find (stages are sub-modules "
+    "with parameters or buffers) and no device to run side streams on, standard backward"
+)
+
+
 def record_fallback(
     model: nn.Module, reason: str, *, warn: bool = False, message: str | None = None
 ) -> nn.Module:
     """Leave ``model`` untouched, record a ``DISABLED`` event for it and return it; the
-    event's message is ``message``, or the reason's usual one."""
-    event = OOOEvent(EventKind.DISABLED, reason, message or MESSAGES[reason])
+    event's message is ``message``, or the reason's usual one, then where to read it."""
+    event = OOOEvent(EventKind.DISABLED, reason, (message or MESSAGES[reason]) + UNTOUCHED)
     detached[model] = (event,)
     logger.info("%s", event)
     if warn:

@@ -30,12 +30,13 @@ from .._planner.dataflow import learn
 from .._planner.learned_plan import learned_of
 from .._planner.observe import CallRecord, Observer
 from .._planner.static import static_plan
+from .._reasons import Reason
 from .._runtime.accumulators import Accumulators
 from .._runtime.backend import Backend
 from .._runtime.bypass import eager_bypass_reason
 from .._stats import Counters
 
-__all__ = ["Learned", "Learner", "pending_plan", "removed_before_learning", "summary"]
+__all__ = ["Learned", "Learner", "learned_events", "pending_plan", "removed_before_learning"]
 
 
 class Learned(NamedTuple):
@@ -84,6 +85,10 @@ class Learner:
         self._device = device
         self._observer: Observer | None = None
         self._depth = 0  # calls of the root inside the observed one (a root run recursively)
+        # Set inside compiled code, where the log can't be written: a constant store, which
+        # Dynamo has nothing to guard on; compiled_event() reports it once, outside.
+        self.ran_compiled = False
+        self._compiled_reported = False
 
     @property
     def observing(self) -> bool:
@@ -99,6 +104,7 @@ class Learner:
     def pre_hook(self, module: nn.Module) -> Learned | None:
         """The root pre-hook: start observing an eligible forward; the static plan if that fails."""
         if torch.compiler.is_compiling():
+            self.ran_compiled = True
             return None  # nothing is learned under compile (and nothing read: no recompiles)
         if self._observer is not None:
             self._depth += 1
@@ -145,6 +151,13 @@ class Learner:
             return self._failed(
                 module, f"learning the plan failed ({type(error).__name__}: {error})"
             )
+
+    def compiled_event(self) -> OOOEvent | None:
+        """The event for forwards compiled before the plan was learned, once, if any ran."""
+        if not self.ran_compiled or self._compiled_reported:
+            return None
+        self._compiled_reported = True
+        return _compiled_before_learning()
 
     def _failed(self, module: nn.Module, why: str) -> Learned:
         """Fall back to the static plan (an event says why)."""
@@ -197,8 +210,24 @@ def removed_before_learning(name: str) -> OOOEvent:
     )
 
 
-def summary(the_plan: Plan) -> str:
-    """The message of the ``PLANNED``/``learned`` event."""
+def _compiled_before_learning() -> OOOEvent:
+    """The event for forwards compiled before the plan was learned (nothing is learned in
+    compiled code, so the plan waits for an eager one)."""
+    return OOOEvent(
+        EventKind.BYPASSED,
+        Reason.COMPILING,
+        "ran under torch.compile before the plan was learned: stages run inline in the "
+        "compiled graph (as they do under compile once there is a plan: the compiled path "
+        "wins), and the plan stays to be learned, since only an eager forward is observed "
+        "(compiled calls are not counted, so this event is recorded once); to learn it, run "
+        "one eager training forward of the wrapped model before compiling (eager calls then "
+        "use side streams), or pick one of torch.compile and ooo_wrap and benchmark it",
+    )
+
+
+def learned_events(the_plan: Plan) -> tuple[OOOEvent, ...]:
+    """The ``PLANNED``/``learned`` event, then ``PLANNED``/``named_chain`` where the named
+    stages form one chain."""
     learned = learned_of(the_plan)
     assert learned is not None  # only called for learned plans
     regions = plural(len(learned.regions), "parallel region")
@@ -208,4 +237,7 @@ def summary(the_plan: Plan) -> str:
     )
     if learned.estimate is not None and the_plan.stages:
         text += f"; {learned.estimate}"
-    return text
+    events: tuple[OOOEvent, ...] = (OOOEvent(EventKind.PLANNED, "learned", text),)
+    if learned.named_chain:  # none of them can overlap another: say so
+        events += (OOOEvent(EventKind.PLANNED, "named_chain", learned.named_chain_message),)
+    return events

@@ -49,7 +49,7 @@ from .._runtime.backend import Backend, clock_of
 from .._runtime.scheduler import Scheduler, running
 from .._runtime.variants import scheduler_class
 from .._stats import Counters
-from .learn import Learned, Learner, pending_plan, removed_before_learning, summary
+from .learn import Learned, Learner, learned_events, pending_plan, removed_before_learning
 from .options import WrapOptions
 from .tune import Tuner
 from .tuning import Tuning, slower_why, tuned_event
@@ -120,6 +120,8 @@ class WrapState:
     def events(self) -> tuple[OOOEvent, ...]:
         if self.scheduler is not None:
             self.scheduler.sync_compiled_events()
+        if self.learner is not None and (event := self.learner.compiled_event()) is not None:
+            self.log.add(event, level=logging.INFO)  # noted inside compiled code, logged here
         return self.log.snapshot()
 
     def tuning(self) -> Tuning | None:
@@ -244,6 +246,7 @@ class WrapState:
     def _learned(self, model: nn.Module, learned: Learned) -> None:
         """``LEARNING`` -> the plan's hooks, or ``STOPPED`` (an event says why)."""
         the_plan, failure, removed = learned
+        self.events()  # logs what the learner noted in compiled code, before it goes
         self._remove("learner")
         self.plan, self.phase = the_plan, Phase.STOPPED
         found = learned_of(the_plan)
@@ -260,9 +263,8 @@ class WrapState:
                 level=logging.WARNING,
             )
         elif found is not None:
-            self.log.add(
-                OOOEvent(EventKind.PLANNED, "learned", summary(the_plan)), level=logging.INFO
-            )
+            for event in learned_events(the_plan):
+                self.log.add(event, level=logging.INFO)
         if found is not None and found.outcome == "no_parallelism":
             self._stop(Reason.NO_PARALLELISM, found.no_parallelism_message)
             return

@@ -26,7 +26,7 @@ from .._runtime.backend import AcceleratorBackend, Backend
 from .._runtime.recompute import install as install_recompute_ordering
 from .._stats import OOOStats
 from .classswap import build_original, wrapped_class
-from .fallback import record_fallback, refuse_nested, what_to_install
+from .fallback import UNTOUCHED, record_fallback, refuse_nested, what_to_install
 from .lifecycle import WrapState
 from .options import Planner, Tune, WrapOptions
 from .registry import detached as _detached
@@ -327,7 +327,8 @@ def _install(
         event = OOOEvent(
             EventKind.SETUP_FAILED,
             type(error).__name__,
-            f"setup failed ({error}); hooks removed, model left as it was, standard backward",
+            f"setup failed ({error}); hooks removed, model left as it was, standard "
+            f"backward{UNTOUCHED}",
         )
         log.add(event, level=logging.WARNING)
         _detached[model] = log.snapshot()

@@ -186,6 +186,25 @@ def test_user_named_stages_keep_their_names_and_get_streams_by_dependency() -> N
     assert set(assign_named(chain, blocks, 4).values()) == {0}  # a chain stays on one stream
 
 
+def test_named_stages_that_form_one_chain_are_named_so_in_the_plan_and_its_table() -> None:
+    chain = observe(models.ResidualChain(depth=3), (torch.randn(4, 512),))
+    blocks = [f"blocks.{i}" for i in range(3)]
+    learned = learn(chain, 4, stages=blocks)
+    assert learned.named_chain == tuple(blocks)
+    table = str(learned)
+    assert "the named stages form one chain (blocks.0 -> blocks.1 -> blocks.2" in table
+    assert "they keep their hooks" in table
+    assert learned.named_chain_message in table
+    # Two named stages that do not read each other's results are no chain.
+    record = observe(models.Inception(blocks=1).to("meta"), (models.inception_input(),))
+    branches = learn(record, 4, stages=["blocks.0.b1", "blocks.0.b2"])
+    assert branches.named_chain == ()
+    assert "one chain" not in str(branches)
+    # Nor is a single named stage call, or stages the planner chose.
+    assert learn(chain, 4, stages=["blocks.0"]).named_chain == ()
+    assert learn(chain, 4).named_chain == ()
+
+
 def test_the_plan_converts_to_a_scheduler_plan(inception: tuple[nn.Module, LearnedPlan]) -> None:
     model, learned = inception
     converted = learned.to_plan(model)

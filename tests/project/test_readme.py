@@ -145,3 +145,20 @@ def test_the_plan_and_the_check_report_name_streams_alike() -> None:
     assert {row.stream for row in report.ops} - {"default"} == planned
     table = str(ooo_wrap.plan(model, streams=2))
     assert [line.split()[1] for line in table.splitlines()[2:]] == ["side1", "side2", "side1"]
+
+
+def _own_code_block() -> str:
+    """The text block after "In your own code:" in the quickstart."""
+    start = README.index("```text\n", README.index("In your own code:")) + len("```text\n")
+    return README[start : README.index("```", start)]
+
+
+def test_the_own_code_snippet_runs_on_a_model_that_fell_back(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # On the CPU OOOModule returns the model untouched: the snippet must still run, and
+    # print why, instead of raising AttributeError on model.events or model.tuning.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    code = _own_code_block().replace('model.to("cuda")', "model.to(device)")
+    exec(code, {"ooo_wrap": ooo_wrap, "model": model, "device": "cpu"})
+    assert capsys.readouterr().out.startswith("disabled/cpu: ")

@@ -188,3 +188,52 @@ def test_twenty_fullgraph_calls_compile_once() -> None:
     assert counter.frame_count == 1
     (event,) = [e for e in wrapped.events if e.kind is ooo_wrap.EventKind.BYPASSED]
     assert event.reason == "compiling"
+
+
+# --- compiled before the dataflow planner learned the plan -------------------------------
+
+
+def _learning() -> nn.Module:
+    """A wrapped model whose plan the first eager training forward learns."""
+    torch.manual_seed(0)
+    return ooo_wrap.OOOModule(Heads(), streams=2, backend=SimulatedBackend())
+
+
+def test_compiled_before_learning_says_the_plan_waits_for_an_eager_forward() -> None:
+    wrapped = _learning()
+    compiled = torch.compile(wrapped, backend="aot_eager")
+    for _ in range(STEPS):
+        compiled(torch.randn(4, 8)).sum().backward()
+    (event,) = [e for e in wrapped.events if e.kind is ooo_wrap.EventKind.BYPASSED]
+    assert (event.reason, event.count) == ("compiling", 1)
+    assert "before the plan was learned" in event.message
+    assert "run one eager training forward" in event.message
+    assert "to be learned" in str(wrapped.plan)
+    # Doing what it says learns the plan.
+    wrapped(torch.randn(4, 8)).sum().backward()
+    assert [e.reason for e in wrapped.events if e.kind is ooo_wrap.EventKind.PLANNED] == ["learned"]
+
+
+def test_compiled_before_learning_is_reported_even_if_events_are_read_after_learning() -> None:
+    wrapped = _learning()
+    torch.compile(wrapped, backend="aot_eager")(torch.randn(4, 8)).sum().backward()
+    wrapped(torch.randn(4, 8)).sum().backward()  # learns: the learner's hooks come off
+    kinds = [(e.kind, e.reason) for e in ooo_wrap.events_for(wrapped)]
+    assert (ooo_wrap.EventKind.BYPASSED, "compiling") in kinds
+    assert kinds.index((ooo_wrap.EventKind.BYPASSED, "compiling")) < kinds.index(
+        (ooo_wrap.EventKind.PLANNED, "learned")
+    )
+
+
+def test_compiled_before_learning_compiles_once_without_graph_breaks() -> None:
+    from torch._dynamo.testing import CompileCounter  # Dynamo's own compile counter
+
+    wrapped = _learning()
+    counter = CompileCounter()
+    compiled = torch.compile(wrapped, backend=counter, fullgraph=True)
+    for _ in range(20):
+        compiled(torch.randn(4, 8)).sum().backward()
+    assert counter.frame_count == 1
+    assert [e.reason for e in wrapped.events if e.kind is ooo_wrap.EventKind.BYPASSED] == [
+        "compiling"
+    ]

@@ -108,10 +108,9 @@ def test_stages_on_two_devices_are_untouched() -> None:
     [
         (nn.Linear(4, 4), None),  # no children: no stage
         (nn.Sequential(nn.Linear(4, 4)), None),  # one childless stage
-        (nn.Sequential(nn.ReLU(), nn.Tanh()), None),  # nothing with parameters
         (make_two_towers(), ["towers.0"]),  # one stage named
     ],
-    ids=["leaf", "one_stage", "stateless", "one_named"],
+    ids=["leaf", "one_stage", "one_named"],
 )
 def test_fewer_than_two_stages_is_untouched(model: nn.Module, stages: list[str] | None) -> None:
     cls, hooks = type(model), hook_snapshot(model)
@@ -144,6 +143,43 @@ def test_a_single_named_stage_says_it_has_nothing_to_overlap_with(planner: str, 
     )
     assert "name stages with" not in event.message  # the user did
     assert "two or more" in event.message
+
+
+class Stateless(nn.Module):
+    """Two sub-modules, neither with a parameter or a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.ReLU(), nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.left(x) * self.right(x)
+
+
+@pytest.mark.parametrize("tune", [True, "auto", False])
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+@pytest.mark.parametrize("stages", [None, ["left", "right"]], ids=["automatic", "named"])
+@pytest.mark.parametrize("backend", ["simulated", "timed", "accelerator"])
+def test_a_model_without_parameters_or_buffers_falls_back_whatever_the_options(
+    tune: Any, planner: str, stages: list[str] | None, backend: str
+) -> None:
+    # It has no device to put side streams on (nor to time steps on, with tune=True).
+    backends = {
+        "simulated": SimulatedBackend(),
+        "timed": SimulatedBackend(step_time=lambda step: 1.0),
+        "accelerator": None,
+    }
+    model = Stateless()
+    hooks = hook_snapshot(model)
+    wrapped = OOOModule(model, backend=backends[backend], tune=tune, planner=planner, stages=stages)
+    assert wrapped is model
+    assert_untouched(model, Stateless, hooks)
+    event = only_event(model)
+    assert (event.kind, event.reason) == (EventKind.DISABLED, "too_few_stages")
+    assert event.message.startswith("the model has neither parameters nor buffers")
+    x = torch.randn(3, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None
 
 
 def test_fallback_is_logged_at_info_on_the_ooo_wrap_logger(
@@ -356,3 +392,33 @@ def test_warnings_point_at_the_callers_line() -> None:
         OOOModule(make_two_towers(), backend=NoStreamsBackend(), planner="static")
     ours = [w.filename for w in record if str(w.message).startswith("ooo_wrap")]
     assert ours == [__file__, __file__]
+
+
+# --- a model returned untouched has no model.events: its events say where they are --------
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "case", ["cpu", "too_few_stages", "multi_device", "compiled", "script", "setup_failed"]
+)
+def test_every_untouched_model_says_to_read_its_events_with_events_for(case: str) -> None:
+    model: nn.Module = make_two_towers()
+    options: dict[str, Any] = {"backend": SimulatedBackend(), "planner": "static"}
+    if case == "cpu":
+        options = {"planner": "static"}
+    elif case == "too_few_stages":
+        options["stages"] = ["towers.0"]
+    elif case == "multi_device":
+        model.towers[1].to("meta")
+    elif case == "compiled":
+        model = torch.compile(model)  # type: ignore[assignment]
+    elif case == "script":
+        model = torch.jit.script(Scriptable())
+    else:
+        options["backend"] = NoStreamsBackend()
+    assert OOOModule(model, **options) is model
+    with pytest.raises(AttributeError):
+        model.events  # noqa: B018  # untouched: nothing of the wrapper on it
+    event = ooo_wrap.events_for(model)[-1]
+    assert "returned untouched" in event.message
+    assert "read its events with ooo_wrap.events_for(model)" in event.message

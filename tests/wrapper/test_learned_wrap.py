@@ -223,6 +223,33 @@ def test_a_forward_that_raises_while_observed_learns_on_the_next_one() -> None:
     assert wrapped.plan.stages
 
 
+def test_named_stages_that_form_one_chain_keep_their_hooks_and_say_so() -> None:
+    from examples.transformer import build_model, example_input
+
+    model = OOOModule(build_model(), streams=4, backend=SimulatedBackend())
+    tokens = example_input()
+    for _ in range(2):
+        train_step(model, (tokens,))
+    chain = [f"blocks.{i}" for i in range(4)]
+    (event,) = [e for e in model.events if e.reason == "named_chain"]
+    assert event.kind is EventKind.PLANNED
+    assert event.message.startswith(
+        "the named stages form one chain (blocks.0 -> blocks.1 -> blocks.2 -> blocks.3"
+    )
+    assert "they keep their hooks" in event.message
+    assert "leave the stage names out" in event.message
+    assert [stage.name for stage in model.plan.stages] == chain  # kept, as named
+    assert model.stats.stage_calls == len(chain)  # the second step ran them on their stream
+    assert "the named stages form one chain" in str(model.plan)
+
+
+def test_named_stages_that_can_overlap_record_no_chain_event() -> None:
+    model, inputs = build("two_tower")
+    wrapped = OOOModule(model, backend=SimulatedBackend(), stages=["query_tower", "doc_tower"])
+    train_step(wrapped, inputs)
+    assert [e.reason for e in wrapped.events if e.kind is EventKind.PLANNED] == ["learned"]
+
+
 def test_learning_that_fails_falls_back_to_the_static_plan(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
