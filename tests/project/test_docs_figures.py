@@ -11,6 +11,7 @@ cross-stream table of ``docs/planner.md`` by the test that prints it
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 
 import ooo_wrap
 from benchmarks import calibrate, estimate, overhead, sweep
-from benchmarks.measure import Point
+from benchmarks.measure import MODES, Point
 from benchmarks.models import ModelSpec
 from examples.quickstart import build_model
 from ooo_wrap.testing import SimulatedBackend
@@ -207,6 +208,64 @@ def test_the_gpu_kit_sizes_step_c_as_the_default_sweep_does() -> None:
     assert shown == computed, f"docs/gpu-kit.md, step c's sizes: shown {shown}, computed {computed}"
 
 
+CUDA_MARK = re.compile(r"^@pytest\.mark\.cuda\b", re.M)
+GPU_KIT_STEPS = ("step", "what it runs", "sizes", "estimated time", "limit (quick)")
+
+
+def gpu_kit_step(step: str) -> dict[str, str]:
+    (row,) = [r for r in doc_tables.table(GPU_KIT, GPU_KIT_STEPS) if r["step"] == step]
+    return row
+
+
+@pytest.mark.slow
+def test_the_gpu_kit_counts_the_cuda_tests_it_runs() -> None:
+    shown = re.match(r"(\d+) tests \(", gpu_kit_step("a")["sizes"])
+    assert shown, gpu_kit_step("a")["sizes"]
+    collect = ["tests/gpu/test_cuda.py", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", *collect],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    count = re.search(r"^(\d+) tests? collected", collected, re.M)
+    assert count, collected
+    assert shown.group(1) == count.group(1), (
+        f"docs/gpu-kit.md, step a: shows {shown.group(1)} tests, pytest collects {count.group(1)}"
+    )
+    # Step d: every other module with a test marked cuda (a decorator line).
+    modules = sorted(
+        str(path.relative_to(REPO_ROOT))
+        for path in (REPO_ROOT / "tests").rglob("test_*.py")
+        if path.name != "test_cuda.py" and CUDA_MARK.search(path.read_text(encoding="utf-8"))
+    )
+    shown_d = re.search(r"(\d+) test modules", gpu_kit_step("d")["sizes"])
+    assert shown_d and int(shown_d.group(1)) == len(modules), (
+        f"docs/gpu-kit.md, step d: shows {shown_d and shown_d.group(1)} modules, {modules}"
+    )
+
+
+def test_the_gpu_kit_limits_and_sanitizer_sizes_are_the_scripts() -> None:
+    script = (REPO_ROOT / "scripts" / "gpu_check.sh").read_text(encoding="utf-8")
+    wants = {
+        mode: dict(re.findall(r"([ABC])_WANT=(\d+)", line))
+        for mode, line in re.findall(r'MODE="(\w+)" (.*)', script)
+    }
+    computed = {
+        step: f"{wants['full'][step.upper()]} s ({wants['quick'][step.upper()]} s)"
+        for step in "abc"
+    }
+    shown = {step: gpu_kit_step(step)["limit (quick)"] for step in "abc"}
+    assert shown == computed, f"docs/gpu-kit.md, limits: shown {shown}, gpu_check.sh {computed}"
+    from scripts import sanitizer_check
+
+    sizes = gpu_kit_step("b")["sizes"]
+    full, quick = len(sanitizer_check.cases()), len(sanitizer_check.cases(quick=True))
+    expected = f"{full} models x 2 precisions x 2 steps (quick: {quick} models, float32)"
+    assert expected in sizes, f"docs/gpu-kit.md, step b: {sizes!r}; the script: {expected!r}"
+
+
 def test_the_gpu_kit_states_the_occupancy_models_gemm_overlap() -> None:
     shown = figure(
         GPU_KIT, r"as the\noccupancy model says of the float32 ones \((\d\.\d\d)x"
@@ -258,3 +317,120 @@ def test_the_zoo_has_the_cases_the_testing_page_counts() -> None:
 
     tests, cases = figure(TESTING, r"runs (\d+) tests \((\d+) cases").groups()
     assert (int(tests), int(cases)) == (2 * len(CASES), len(CASES)), "docs/testing.md: the zoo"
+
+
+def test_the_gpu_kit_lists_every_benchmark_mode_and_runs_them_in_step_c() -> None:
+    rows = doc_tables.table(GPU_KIT, ("mode", "switch", "what one step is"))
+    assert tuple(r["mode"].strip("`") for r in rows) == MODES, "docs/gpu-kit.md: the modes"
+    script = (REPO_ROOT / "scripts" / "gpu_check.sh").read_text(encoding="utf-8")
+    modes = re.search(r"^\s*modes=\(([^)]*)\)", script, re.M)
+    assert modes, "scripts/gpu_check.sh: no modes=(...)"
+    flags = modes.group(1).split()
+    runs = gpu_kit_step("c")["what it runs"]
+    shown = re.match(r"`benchmarks/suite\.py ([^`]*)`: every point in (\w+) modes", runs)
+    assert shown, runs
+    count = len(sweep.parse_args(flags).modes)
+    words = {5: "five", 6: "six", 7: "seven"}
+    assert (shown.group(1).split(), shown.group(2)) == (flags, words.get(count)), (
+        f"docs/gpu-kit.md, step c: {runs!r}; gpu_check.sh runs {flags}: {count} modes"
+    )
+    sizes = gpu_kit_step("c")["sizes"]
+    assert sizes.count(f" x {count} modes x ") == 1 and sizes.count(f"each {count} modes x ") == 1
+
+
+# --- every table of the docs is checked, or is reference text -------------------------------
+
+# Each table of README.md and docs/*.md, by page and header: the test file that compares it
+# with the command it comes from, or None for a reference table that no command prints
+# (options, API, fallbacks, layers). A new table must be added here, and checked if a
+# command makes it.
+TABLES: dict[tuple[str, tuple[str, ...]], str | None] = {
+    ("README.md", ("option", "default", "what it does")): None,
+    ("README.md", ("attribute", "what it is")): None,
+    ("README.md", ("function", "what it does")): None,
+    ("code-layout.md", ("layer", "what it is", "may import")): None,
+    ("gpu-kit.md", GPU_KIT_STEPS): "tests/project/test_docs_figures.py",
+    ("gpu-kit.md", ("mode", "switch", "what one step is")): "tests/project/test_docs_figures.py",
+    ("planner.md", ("model", "learned outcome")): "tests/wrapper/test_learned_wrap.py",
+    ("stages-and-events.md", ("condition", "behaviour", "event (`kind`/`reason`)")): None,
+    ("torch-versions.md", ("API", "added", "in 2.6 / 2.11", "guard")): None,
+    ("tuning-and-performance.md", ("what the command prints", "value")): (
+        "tests/project/test_docs_figures.py"
+    ),
+    ("tuning-and-performance.md", ("backend call", "per stage call")): (
+        "tests/project/test_docs_figures.py"
+    ),
+    ("tuning-and-performance.md", ("model (the row the command prints)", "eager joins")): (
+        "tests/project/test_docs_figures.py"
+    ),
+}
+
+
+def test_every_table_of_the_docs_is_checked_or_reference_text() -> None:
+    def listed(page: str, header: list[str]) -> tuple[str, tuple[str, ...]] | None:
+        """The key of TABLES that this table's header begins with."""
+        return next(
+            (key for key in TABLES if key[0] == page and tuple(header[: len(key[1])]) == key[1]),
+            None,
+        )
+
+    every = [(doc.name, rows[0]) for doc in doc_tables.DOCS for rows in doc_tables.tables(doc)]
+    unlisted = [(page, header) for page, header in every if listed(page, header) is None]
+    assert not unlisted, (
+        f"tables missing from TABLES (check them against their command): {unlisted}"
+    )
+    gone = set(TABLES) - {listed(page, header) for page, header in every}
+    assert not gone, f"tables in TABLES but no longer in the docs: {gone}"
+    for (page, header), checker in TABLES.items():
+        if checker is not None:  # the checking test reads the table by its header
+            source = (REPO_ROOT / checker).read_text(encoding="utf-8")
+            assert f'"{header[1]}"' in source, (page, header, checker)
+
+
+# --- the cost model's figures quoted in prose -----------------------------------------------
+
+
+def test_the_docs_quote_the_cost_models_constants() -> None:
+    from ooo_wrap import H200
+    from ooo_wrap._planner import dataflow
+
+    fork_join = figure(PLANNER, r"\*\*(\d+) µs per stage call\*\*").group(1)
+    gain = figure(
+        PLANNER,
+        r"by at least (\d+) % of the region's own estimated step time\n\s*"
+        r"and (\d+) µs \(`MIN_GAIN_FRACTION`",
+    ).groups()
+    assert (float(fork_join), float(gain[0]) / 100, float(gain[1])) == (
+        H200.fork_join_us,
+        dataflow.MIN_GAIN_FRACTION,
+        dataflow.MIN_GAIN_US,
+    ), "docs/planner.md: the fork/join cost or the gain margin"
+    peaks = figure(
+        TESTING,
+        r"dense peaks: (\d+) TFLOP/s float32 and float64, (\d+) bfloat16/float16, (\d+) FP8\n"
+        r"and int8; (\d+\.\d) TB/s; (\d+) SMs",
+    ).groups()
+    floors = figure(
+        TESTING,
+        r"plus a (\d+) µs floor per kernel.*?one after another, (\d+) µs\neach.*?each wait "
+        r"costs the host (\d+) µs, a\nfork plus a join (\d+) µs",
+        re.S,
+    ).groups()
+    peak = dict(H200.peak_flops)
+    computed = (
+        peak[torch.float32] / 1e12,
+        peak[torch.float64] / 1e12,
+        peak[torch.bfloat16] / 1e12,
+        peak[torch.float16] / 1e12,
+        peak[torch.float8_e4m3fn] / 1e12,
+        peak[torch.int8] / 1e12,
+        H200.memory_bandwidth / 1e12,
+        H200.sm_count,
+        H200.kernel_floor_us,
+        H200.launch_us,
+        H200.fork_join_us / 2,
+        H200.fork_join_us,
+    )
+    p = [float(v) for v in peaks]
+    shown = (p[0], p[0], p[1], p[1], p[2], p[2], p[3], p[4], *(float(v) for v in floors))
+    assert shown == computed, f"docs/testing.md: the reference GPU: shown {shown}, H200 {computed}"
