@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from ooo_wrap import EventKind, OOOModule
 from ooo_wrap._plan import Plan
 from ooo_wrap.testing import SimulatedBackend, check
 from tests.support import dataflow_models as models
+from tests.support import doc_tables
 
 # These tests are about how the wrapper learns and runs a plan, on small models: every
 # region the region rule finds is kept (tests/planner/test_simulate.py covers which ones the
@@ -41,6 +43,22 @@ CASES: dict[str, Case] = {
     "two_tower": (models.TwoTower, models.two_tower_inputs),
     "moe": (models.MoE, lambda: (models.moe_input(),)),
 }
+
+
+# docs/planner.md's table of cross-stream waits: the figures
+# test_cross_stream_waits_per_step_learned_against_static prints, row by row.
+PLANNER_PAGE = doc_tables.REPO_ROOT / "docs" / "planner.md"
+CROSS_STREAM_COLUMNS = (
+    "model",
+    "learned outcome",
+    "waits per step, learned / static",
+    "stage edges across streams, learned / static",
+    "chain links split, static",
+)
+
+
+def cross_stream_table() -> list[dict[str, str]]:
+    return doc_tables.table(PLANNER_PAGE, CROSS_STREAM_COLUMNS)
 
 
 def build(case: str) -> tuple[nn.Module, tuple[Any, ...]]:
@@ -187,14 +205,32 @@ def test_cross_stream_waits_per_step_learned_against_static(
     theirs = learned_plan.count_edges(static_streams)
     with capsys.disabled():
         print(
-            f"\n{case}: cross-stream waits per step learned {per_step['dataflow']}, static "
-            f"{per_step['static']}; stage edges across streams learned {mine.cross_stream}/"
-            f"{mine.edges}, static {theirs.cross_stream}/{theirs.edges} (chain links split: "
-            f"{theirs.chain_splits})"
+            f"\n{case}: learned {learned_plan.outcome}; cross-stream waits per step learned "
+            f"{per_step['dataflow']}, static {per_step['static']}; stage edges across streams "
+            f"learned {mine.cross_stream}/{mine.edges}, static {theirs.cross_stream}/"
+            f"{theirs.edges} (chain links split: {theirs.chain_splits})"
         )
     assert mine.chain_splits == 0  # a chain link split across streams is a failure
     if learned_plan.outcome == "no_parallelism":
         assert per_step["dataflow"] == 0
+    # docs/planner.md shows these figures: its row for this case must say the same.
+    computed = {
+        "learned outcome": f"`{learned_plan.outcome}`",
+        "waits per step, learned / static": f"{per_step['dataflow']} / {per_step['static']}",
+        "stage edges across streams, learned / static": (
+            f"{mine.cross_stream} of {mine.edges} / {theirs.cross_stream} of {theirs.edges}"
+        ),
+        "chain links split, static": str(theirs.chain_splits),
+    }
+    shown = doc_tables.row(PLANNER_PAGE, cross_stream_table(), "model", f"(`{case}`)")
+    differences = doc_tables.differences(PLANNER_PAGE, case, shown, computed)
+    assert not differences, "\n".join(differences)
+
+
+def test_the_planner_page_shows_one_cross_stream_row_per_case() -> None:
+    rows = cross_stream_table()
+    named = [re.findall(r"\(`(\w+)`\)", r["model"]) for r in rows]
+    assert named == [[case] for case in CASES], f"{PLANNER_PAGE.name}: {named}"
 
 
 @pytest.mark.usefixtures("plan_by_rule")
