@@ -30,7 +30,6 @@ import contextlib
 import enum
 import itertools
 import logging
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -309,9 +308,7 @@ class WrapState:
             return
         with self._as_before_on_error():
             steps = self.options.tune_steps
-            self.tuner = Tuner(
-                scheduler, self.backend, self.log, device, clock, steps, weakref.ref(model)
-            )
+            self.tuner = Tuner(scheduler, self.backend, self.log, device, clock, steps, model)
             hooks = self._hooks["tuner"]
             # After the scheduler's: its root pre-hook opens the root call the tuner reads.
             hooks.append(model.register_forward_pre_hook(self.tuner.pre_hook, with_kwargs=True))

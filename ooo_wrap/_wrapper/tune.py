@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -126,7 +126,7 @@ class Tuner:
     """What the two root hooks of a tuning model do: time plain and planned steps, and say
     when the decision is made (the wrap state registers the hooks, after the scheduler's,
     and applies the decision). ``steps``: counted steps per arm before deciding;
-    ``model``: the wrapped model, weakly, to tell which optimizer updates it."""
+    ``model``: the wrapped model (kept weakly), to tell which optimizer updates it."""
 
     scheduler: Scheduler
     backend: Backend
@@ -134,9 +134,10 @@ class Tuner:
     device: torch.device
     clock: StepClock
     steps: int
-    model: weakref.ref[nn.Module]
+    model: InitVar[nn.Module]
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
         self._closed: list[_Step] = []  # finished counted steps
         self._opened = 0  # training forwards seen, counted or not
         self._open: _Step | None = None
@@ -292,7 +293,7 @@ class Tuner:
         step holding one of the model's parameters becomes the model's (again if that one
         is freed: a loop that makes a new optimizer)."""
         if self._own_optimizer is None or self._own_optimizer() is None:
-            model = self.model()
+            model = self._model()
             ours = {id(param) for param in model.parameters()} if model is not None else set()
             groups = optimizer.param_groups
             if not any(id(param) in ours for group in groups for param in group["params"]):
