@@ -34,6 +34,13 @@ UNTOUCHED = (
     "read its events with ooo_wrap.events_for(model)"
 )
 
+# A stage's device is that of its parameters or buffers: without any, there is no device to
+# put side streams on or to time steps on, whatever the stage names say.
+_NO_TENSORS = (
+    "the model has neither parameters nor buffers: no stage to find (stages are sub-modules "
+    "with parameters or buffers) and no device to run side streams on, standard backward"
+)
+
 
 def what_to_install(
     model: nn.Module, options: WrapOptions, backend: Backend
@@ -74,14 +81,6 @@ def what_to_install(
         _device_fallback(model, reason, options)
         return None
     return the_plan, None
-
-
-# A stage's device is that of its parameters or buffers: without any, there is no device to
-# put side streams on or to time steps on, whatever the stage names say.
-_NO_TENSORS = (
-    "the model has neither parameters nor buffers: no stage to find (stages are sub-modules "
-    "with parameters or buffers) and no device to run side streams on, standard backward"
-)
 
 
 def record_fallback(
