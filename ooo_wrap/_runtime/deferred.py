@@ -87,7 +87,6 @@ __all__ = [
     "finish",
     "join_from",
     "join_pending",
-    "pending_count",
     "resume",
     "suspend",
     "versions",
@@ -242,11 +241,6 @@ def finish(first: int, owner: object) -> None:
             other._counters.joins += 1
     if not pending:
         local.by_storage.clear()
-
-
-def pending_count() -> int:
-    """Joins pending on this thread (for tests and diagnostics)."""
-    return len(thread_state.pending)
 
 
 def suspend() -> None:
