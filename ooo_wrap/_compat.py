@@ -286,7 +286,7 @@ if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode as DispatchModeBase
 else:
     DispatchModeBase = getattr(
-        sys.modules.get("torch.utils._python_dispatch"), "TorchDispatchMode", _NoDispatchMode
+        getattr(torch.utils, "_python_dispatch", None), "TorchDispatchMode", _NoDispatchMode
     )
 
 

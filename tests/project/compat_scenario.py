@@ -34,13 +34,13 @@ def without(owner: Any, name: str) -> Any:
     return types.SimpleNamespace(**{k: getattr(owner, k) for k in dir(owner) if k != name})
 
 
-def hide(paths: list[str]) -> None:
-    """Make ``import torch`` give a torch without any of ``paths`` (dotted, from ``torch``).
+def hide(paths: list[str]) -> Any:
+    """A stand-in for ``torch`` without any of ``paths`` (dotted, from ``torch``).
 
     Each module or class on a path is replaced, in a stand-in of its parent, by a stand-in
-    without the name, up to a stand-in ``torch`` in ``sys.modules``. torch's own code keeps
-    reading the originals, as a torch that renamed the name would read the new one; code
-    that imports torch from now on (ooo_wrap) sees the stand-ins.
+    without the name, up to the stand-in ``torch``. ooo_wrap, imported while that is in
+    ``sys.modules``, sees it; torch's own code keeps reading the originals, as a torch that
+    renamed the name would read the new one.
     """
     root: Any = without(torch, "")
     for path in paths:
@@ -66,7 +66,7 @@ def hide(paths: list[str]) -> None:
             setattr(replaced, part, stand_in)
             stand_in = replaced
         assert not hasattr(functools.reduce(getattr, parts[:-1], root), parts[-1]), path
-    sys.modules["torch"] = root
+    return root
 
 
 class Tower(nn.Module):
@@ -105,12 +105,16 @@ def train(model: nn.Module, steps: int = 2) -> list[torch.Tensor]:
 
 
 def main(hidden: list[str]) -> dict[str, Any]:
-    hide(hidden)
+    stand_in = hide(hidden)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        import ooo_wrap
-        from ooo_wrap import _compat
-        from ooo_wrap.testing import SimulatedBackend, check
+        sys.modules["torch"] = stand_in
+        try:
+            import ooo_wrap
+            from ooo_wrap import _compat
+            from ooo_wrap.testing import SimulatedBackend, check
+        finally:
+            sys.modules["torch"] = torch  # what torch imports lazily sees the real one
 
         torch.manual_seed(0)
         plain = Towers()
