@@ -1,7 +1,8 @@
 """See every aten op with its arguments and results: the eyes of the dataflow planner's
 observer and of the race detector.
 
-This is the only file in ooo_wrap that imports ``TorchDispatchMode``. PyTorch has no public
+This is the only file in ooo_wrap that subclasses ``TorchDispatchMode`` (read in ``_compat``
+as ``DispatchModeBase``, the rule for private names). PyTorch has no public
 API that shows each aten op with its schema and the tensors it touches (forward and,
 inside the autograd engine, backward alike); ``torch.cuda._sanitizer`` uses the same
 private class for the same reason.

@@ -133,6 +133,10 @@ def detect(
         the :class:`Detection`, whose ``races`` and ``allocator_hazards`` are final
         once the block exits.
 
+    Raises:
+        OOOError: this torch lacks a private PyTorch name the detector models the
+            autograd engine with (named in the message; docs/torch-versions.md).
+
     Example::
 
         >>> with detect() as found:
