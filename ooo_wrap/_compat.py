@@ -211,13 +211,14 @@ def _once(path: str) -> Any:
         return found
 
 
-def _missing(path: str) -> None:
-    """Warn, once per process, that this torch has no ``path``."""
+def _missing(path: str, problem: str = "has no") -> None:
+    """Warn, once per process, that this torch has no ``path`` (or, with ``problem``, that
+    its ``path`` is not what ooo_wrap reads)."""
     if path in _warned:
         return
     _warned.add(path)
     warnings.warn(
-        f"ooo_wrap: this torch ({torch.__version__}) has no {path}, a private PyTorch name "
+        f"ooo_wrap: this torch ({torch.__version__}) {problem} {path}, a private PyTorch name "
         f"ooo_wrap relies on; {_WITHOUT[path]}. Please report it with your torch version",
         stacklevel=3,
     )
@@ -696,6 +697,18 @@ def flop_formulas() -> tuple[Mapping[Any, Any], Any]:
     registry = private("torch.utils.flop_counter.flop_registry")
     wrapper = private("torch.utils.flop_counter.shape_wrapper")
     if not isinstance(registry, Mapping):
+        return {}, None
+    # A table that changed shape would count 0 FLOPs for every op, silently: mm's formula,
+    # called as the cost model calls it, must count a (2, 3) @ (3, 4) product's 48.
+    try:
+        mm: Any = registry[torch.ops.aten.mm]
+        formula: Any = getattr(mm, "__wrapped__", mm)
+        shapes = torch.Size([2, 3]), torch.Size([3, 4])
+        counted = int(formula(*shapes, out_shape=torch.Size([2, 4])))
+    except Exception:
+        counted = 0
+    if counted != 48:
+        _missing("torch.utils.flop_counter.flop_registry", "has a changed")
         return {}, None
     code = getattr(wrapper(lambda: 0), "__code__", None) if callable(wrapper) else None
     return registry, code
