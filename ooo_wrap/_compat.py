@@ -79,6 +79,7 @@ __all__ = [
     "storage_id",
     "storage_tensor",
     "stream_is_capturing",
+    "streaming_names_found",
     "take_function_mode_off",
     "tensor_version",
     "thread_target",
@@ -142,13 +143,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch._C._functorch.is_functorch_wrapped_tensor", _NO_UNWRAP),
     PrivateName("torch._C._functorch.is_functionaltensor", _NO_UNWRAP),
     PrivateName("torch._C._functorch.get_unwrapped", _NO_UNWRAP),
-    # Containers registered with torch's pytree (``_tensors.py``).
-    PrivateName(
-        "torch.utils._pytree.SUPPORTED_NODES",
-        "types registered with torch's pytree (collections.deque, your registrations) are "
-        "searched by their attributes; a stage input or output holding one that has none "
-        "is reported (an untracked-value event) and joined conservatively",
-    ),
+    # Containers registered with torch's pytree (``_tensors.py``): a tensor in one that the
+    # stage hooks cannot see gets no record_stream.
+    PrivateName("torch.utils._pytree.SUPPORTED_NODES", _PLAIN),
     # FLOP formulas (``_planner/cost.py``).
     PrivateName("torch.utils.flop_counter.flop_registry", _NO_FLOPS),
     PrivateName("torch.utils.flop_counter.shape_wrapper", _NO_FLOPS),
@@ -739,6 +736,13 @@ def _module_call_code() -> Any:
 
         _call_code.append(_Probe()())
     return _call_code[0]
+
+
+def streaming_names_found() -> bool:
+    """Whether this torch has what running stages on side streams safely needs, but the
+    checkpoint hook (``_runtime/recompute.py`` installs that): the stage hooks see every
+    tensor in a pytree container, and stale calls are told from running ones."""
+    return _found("torch.utils._pytree.SUPPORTED_NODES") and module_calls_visible()
 
 
 def module_calls_visible() -> bool:

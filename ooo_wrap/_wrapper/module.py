@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .._compat import is_compiled_module, module_calls_visible
+from .._compat import is_compiled_module, streaming_names_found
 from .._errors import OOOConfigError, OOOError, warn_user
 from .._events import EventKind, EventLog, OOOEvent
 from .._plan import Plan, plural
@@ -291,8 +291,9 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
     if isinstance(model, torch.jit.ScriptModule):
         return record_fallback(model, Reason.UNSUPPORTED_MODULE)
     # Never stream without what keeps it correct: checkpoint recomputations ordered for
-    # their readers, and stale calls found on the stack (each warns once if missing).
-    if not install_recompute_ordering() or not module_calls_visible():
+    # their readers, every tensor in a stage's inputs found, stale calls found on the
+    # stack (each missing name is warned about once).
+    if not install_recompute_ordering() or not streaming_names_found():
         return record_fallback(model, Reason.UNSUPPORTED_TORCH)
     backend = options.backend if options.backend is not None else AcceleratorBackend()
     found = what_to_install(model, options, backend)
