@@ -34,13 +34,14 @@ def without(owner: Any, name: str) -> Any:
     return types.SimpleNamespace(**{k: getattr(owner, k) for k in dir(owner) if k != name})
 
 
-def hide(paths: list[str]) -> Any:
-    """A stand-in for ``torch`` without any of ``paths`` (dotted, from ``torch``).
+def hide(paths: list[str]) -> dict[str, Any]:
+    """Stand-ins for ``torch`` and its modules without any of ``paths`` (dotted, from
+    ``torch``), by module name.
 
     Each module or class on a path is replaced, in a stand-in of its parent, by a stand-in
-    without the name, up to the stand-in ``torch``. ooo_wrap, imported while that is in
-    ``sys.modules``, sees it; torch's own code keeps reading the originals, as a torch that
-    renamed the name would read the new one.
+    without the name, up to the stand-in ``torch``. ooo_wrap, imported while the stand-ins
+    are in ``sys.modules``, sees them; torch's own code keeps reading the originals, as a
+    torch that renamed the name would read the new one.
     """
     root: Any = without(torch, "")
     for path in paths:
@@ -66,7 +67,19 @@ def hide(paths: list[str]) -> Any:
             setattr(replaced, part, stand_in)
             stand_in = replaced
         assert not hasattr(functools.reduce(getattr, parts[:-1], root), parts[-1]), path
-    return root
+    modules: dict[str, Any] = {}
+
+    def collect(module: Any) -> None:  # every stand-in module, reached from the root
+        modules[module.__name__] = module
+        for value in vars(module).values():
+            if isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) not in (
+                None,
+                value,
+            ):
+                collect(value)
+
+    collect(root)
+    return modules
 
 
 class Tower(nn.Module):
@@ -105,16 +118,17 @@ def train(model: nn.Module, steps: int = 2) -> list[torch.Tensor]:
 
 
 def main(hidden: list[str]) -> dict[str, Any]:
-    stand_in = hide(hidden)
+    stand_ins = hide(hidden)
+    originals = {name: sys.modules[name] for name in stand_ins}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sys.modules["torch"] = stand_in
+        sys.modules.update(stand_ins)
         try:
             import ooo_wrap
             from ooo_wrap import _compat
             from ooo_wrap.testing import SimulatedBackend, check
         finally:
-            sys.modules["torch"] = torch  # what torch imports lazily sees the real one
+            sys.modules.update(originals)  # what torch imports lazily sees the real ones
 
         torch.manual_seed(0)
         plain = Towers()
