@@ -15,6 +15,7 @@ added it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import operator
@@ -255,6 +256,7 @@ def checker_names_found() -> str | None:
     return None
 
 
+@functools.cache  # asked per forward: looked up once
 def accumulator_lookups_work() -> bool:
     """Whether gradient accumulators can be looked up and released on this torch."""
     return _found(
