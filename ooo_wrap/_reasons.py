@@ -23,6 +23,7 @@ class Reason(str, ValueEnum):  # prints as its value, as a plain str would
     MULTI_DEVICE = "multi_device"
     COMPILED = "compiled"
     UNSUPPORTED_MODULE = "unsupported_module"
+    UNSUPPORTED_TORCH = "unsupported_torch"
     NO_PARALLELISM = "no_parallelism"
     MEASURED_SLOWER = "measured_slower"
     SETUP_FAILED = "setup_failed"
@@ -57,6 +58,8 @@ MESSAGES: dict[str, str] = {
     Reason.COMPILED: "the model is torch.compile'd: out-of-order backprop is off, the compiled "
     "path wins (they are mutually exclusive; pick one and benchmark it)",
     Reason.UNSUPPORTED_MODULE: "TorchScript modules cannot run Python hooks: standard backward",
+    Reason.UNSUPPORTED_TORCH: "this torch lacks a private PyTorch name that running stages on "
+    "side streams safely depends on (a warning names it): standard backward",
     Reason.COMPILING: "ran under torch.compile: stages run inline on the caller's stream (the "
     "compiled path wins). Compiled calls are not counted (a count kept inside compiled code "
     "would make it recompile every call), so this event is recorded once and stats leave "

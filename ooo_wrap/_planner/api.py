@@ -14,17 +14,12 @@ from .cost import H200, GPULike, ReferenceGPU, as_reference_gpu
 from .dataflow import learn_plan
 from .static import static_plan
 
-__all__ = ["REFERENCE_GPU", "learn_from_example", "named_stages", "plan", "reference_gpu"]
-
-# The reference GPU of the cost estimates the region rule uses where no ``gpu=`` was given
-# (read at each learning, so that tests of plan structure on tiny CPU models can make
-# forks nearly free).
-REFERENCE_GPU = H200
+__all__ = ["learn_from_example", "named_stages", "plan", "reference_gpu"]
 
 
 def reference_gpu(gpu: ReferenceGPU | None) -> ReferenceGPU:
-    """``gpu``, or the default reference (:data:`REFERENCE_GPU`) for ``None``."""
-    return REFERENCE_GPU if gpu is None else gpu
+    """``gpu``, or the default reference (:data:`~ooo_wrap.H200`) for ``None``."""
+    return H200 if gpu is None else gpu
 
 
 def plan(

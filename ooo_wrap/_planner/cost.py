@@ -50,11 +50,11 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry, shape_wrapper
 
+from .._compat import flop_formulas
 from .._errors import OOOConfigError
 from .._tensors import tensors_in
 from .intercept import OpArgs, OpKwargs, OpOverload
@@ -302,20 +302,26 @@ def launches_kernel(func: OpOverload) -> bool:
     return not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL
 
 
-# The code object every formula registered through flop_counter's shape_wrapper shares.
-_SHAPE_WRAPPED = cast(Any, shape_wrapper)(lambda: 0).__code__  # untyped in torch
-
-
-# CPU kernels whose GPU counterpart has a formula and the same leading arguments: the
-# checker records CPU ops but estimates the GPU's.
-_GPU_TWIN: dict[str, Any] = {
-    "_scaled_dot_product_flash_attention_for_cpu": (
-        torch.ops.aten._scaled_dot_product_flash_attention
-    ),
+# CPU kernels whose GPU counterpart has a formula and the same leading arguments (by aten
+# name): the checker records CPU ops but estimates the GPU's.
+_GPU_TWIN = {
+    "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu_backward": (
-        torch.ops.aten._scaled_dot_product_flash_attention_backward
+        "_scaled_dot_product_flash_attention_backward"
     ),
 }
+# flop_counter's formula table and the code its shape_wrapper's formulas share, looked up on
+# the first estimate (empty where this torch has no table; _compat warns once).
+_formulas: list[Any] = []
+
+
+def _formula(packet: Any) -> Any:
+    """The FLOP formula for an overload packet (or its GPU twin's), or ``None``."""
+    if not _formulas:
+        _formulas.extend(flop_formulas())
+    registry, _ = _formulas
+    twin = _GPU_TWIN.get(packet.__name__)
+    return registry.get(packet if twin is None else getattr(torch.ops.aten, twin, None))
 
 
 def _shapes(value: Any) -> Any:
@@ -329,12 +335,11 @@ def _shapes(value: Any) -> Any:
 
 def _flops(func: OpOverload, args: OpArgs, kwargs: OpKwargs, out: Any) -> int:
     """FLOPs from torch.utils.flop_counter's formula table (keyed by overload packet)."""
-    packet = func.overloadpacket
-    formula = flop_registry.get(_GPU_TWIN.get(packet.__name__, packet))
+    formula = _formula(func.overloadpacket)
     if formula is None:
         return 0
     try:
-        if getattr(formula, "__code__", None) is _SHAPE_WRAPPED:
+        if getattr(formula, "__code__", None) is _formulas[1] is not None:
             # The wrapper maps tensors to shapes with a pytree walk that costs ~100 µs a
             # call; the formula beneath it (functools.wraps keeps it) takes the shapes.
             raw = formula.__wrapped__

@@ -1,7 +1,8 @@
 """See every aten op with its arguments and results: the eyes of the dataflow planner's
 observer and of the race detector.
 
-This is the only file in ooo_wrap that imports ``TorchDispatchMode``. PyTorch has no public
+This is the only file in ooo_wrap that subclasses ``TorchDispatchMode`` (read in ``_compat``
+as ``DispatchModeBase``, the rule for private names). PyTorch has no public
 API that shows each aten op with its schema and the tensors it touches (forward and,
 inside the autograd engine, backward alike); ``torch.cuda._sanitizer`` uses the same
 private class for the same reason.
@@ -16,8 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from .._compat import DispatchModeBase, OpOverload, replace_thread_target, thread_target
 
 __all__ = [
     "OpArgs",
@@ -32,7 +32,6 @@ __all__ = [
 # An aten op as a dispatch mode sees it, the first parameters of every op callback here and
 # in the race checker: the overload, its positional and its keyword arguments (and, once
 # it ran, its result: ``Any``).
-OpOverload = torch._ops.OpOverload
 OpArgs = Sequence[Any]
 OpKwargs = Mapping[str, Any]
 
@@ -43,7 +42,7 @@ OpPrepare = Callable[[OpOverload, OpArgs, OpKwargs], Any]
 
 
 # The base class is untyped in torch: its constructor hooks are the untyped calls.
-class OpInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class OpInterceptor(DispatchModeBase):  # type: ignore[no-untyped-call]
     """Runs every op unchanged, then reports it to ``handler`` (with what ``prepare``
     saw of its arguments before it ran)."""
 
@@ -91,10 +90,10 @@ def intercept_new_threads(handler: OpHandler, prepare: OpPrepare) -> Iterator[No
         sys.setprofile(previous)
         mode = OpInterceptor(report, prepare)
         thread: Any = threading.current_thread()
-        target = getattr(thread, "_target", None)
+        target = thread_target(thread)
         if target is not None:
             # Thread.run has not looked up its target yet (this is its call event).
-            thread._target = _seen(mode, target)
+            replace_thread_target(thread, _seen(mode, target))
             return
         # A run() of its own: leave the mode when that frame returns.
         mode.__enter__()  # type: ignore[no-untyped-call]

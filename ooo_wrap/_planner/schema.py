@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._compat import op_schema
 from .._tensors import tensors_in
 from .intercept import OpArgs, OpKwargs, OpOverload
 
@@ -42,9 +43,10 @@ def arguments(func: OpOverload, args: OpArgs, kwargs: OpKwargs) -> Iterator[tupl
     """``(value, written)`` for each argument of the call that is not ``None``, in schema
     order: ``written`` if the schema marks it as written (in-place, ``out=``) or the op
     updates it anyway (``HIDDEN_WRITES``)."""
-    schema_args = func._schema.arguments
+    schema = op_schema(func)
+    schema_args = schema.arguments
     hidden: tuple[int, ...] = ()
-    entry = HIDDEN_WRITES.get(func._schema.name)
+    entry = HIDDEN_WRITES.get(schema.name)
     if entry is not None:
         flag, updated = entry
         if flag is None or _argument(flag, schema_args[flag].name, args, kwargs):
@@ -61,7 +63,7 @@ def declared_writes(func: OpOverload, args: OpArgs, kwargs: OpKwargs) -> list[to
     """The tensors the schema marks as written: the only ones an op may give new memory
     (``out=`` resizing, ``resize_``)."""
     written: list[torch.Tensor] = []
-    for index, argument in enumerate(func._schema.arguments):
+    for index, argument in enumerate(op_schema(func).arguments):
         alias = argument.alias_info
         if alias is not None and alias.is_write:
             written += tensors_in(_argument(index, argument.name, args, kwargs))

@@ -48,6 +48,7 @@ from torch import nn
 from torch.autograd.graph import Node, get_gradient_edge
 
 from .._compat import (
+    accumulator_lookups_work,
     first_input_shape,
     functorch_transforms_active,
     modes_set_aside,
@@ -163,7 +164,8 @@ def _can_make_nodes() -> bool:
     functorch transform (``torch.func.grad``), whose nodes belong to wrapper tensors and
     which refuses ``.data`` assignment."""
     return (
-        torch.is_grad_enabled()
+        accumulator_lookups_work()
+        and torch.is_grad_enabled()
         and not torch.is_inference_mode_enabled()
         and not torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]
         and not functorch_transforms_active()

@@ -76,6 +76,7 @@ from .._compat import (
     put_function_mode_under,
     storage_id,
     take_function_mode_off,
+    tensor_version,
 )
 from .backend import Backend, Event, Stream
 from .inflight import Pending, StageRuntime, thread_state
@@ -86,7 +87,6 @@ __all__ = [
     "finish",
     "join_from",
     "join_pending",
-    "pending_count",
     "resume",
     "suspend",
     "versions",
@@ -121,14 +121,14 @@ def _keys(tensors: list[torch.Tensor]) -> list[int] | None:
 def versions(inputs: list[torch.Tensor]) -> list[int]:
     """The inputs' version counters (-1 where there is none: an inference tensor)."""
     try:
-        return [tensor._version for tensor in inputs]
+        return [tensor_version(tensor) for tensor in inputs]
     except RuntimeError:
         return [_version(tensor) for tensor in inputs]
 
 
 def _version(tensor: torch.Tensor) -> int:
     try:
-        return tensor._version
+        return tensor_version(tensor)
     except RuntimeError:
         return -1
 
@@ -138,7 +138,7 @@ def written(inputs: list[torch.Tensor], before: list[int]) -> list[torch.Tensor]
     return [
         tensor
         for tensor, version in zip(inputs, before, strict=True)
-        if version < 0 or tensor._version != version
+        if version < 0 or tensor_version(tensor) != version
     ]
 
 
@@ -241,11 +241,6 @@ def finish(first: int, owner: object) -> None:
             other._counters.joins += 1
     if not pending:
         local.by_storage.clear()
-
-
-def pending_count() -> int:
-    """Joins pending on this thread (for tests and diagnostics)."""
-    return len(thread_state.pending)
 
 
 def suspend() -> None:

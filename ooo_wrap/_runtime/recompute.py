@@ -37,9 +37,10 @@ from .inflight import thread_state
 __all__ = ["install", "order_unpacked"]
 
 
-def install() -> None:
-    """Route every non-reentrant checkpoint's unpacks through :func:`_ordered` from now on."""
-    wrap_checkpoint_unpacks(_ordered)
+def install() -> bool:
+    """Route every non-reentrant checkpoint's unpacks through :func:`_ordered` from now on;
+    returns whether this torch allows it (without, no model may stream)."""
+    return wrap_checkpoint_unpacks(_ordered)
 
 
 def _ordered(unpack: UnpackHook) -> UnpackHook:

@@ -9,12 +9,12 @@ and ``unwrap()`` call in here when something is in flight; a plain forward never
 from __future__ import annotations
 
 import collections
-import inspect
 import logging
 from typing import Any
 
 from torch import nn
 
+from .._compat import module_calls_on_stack
 from . import deferred as _deferred
 from . import reports
 from .inflight import NO_INPUTS, Owner, thread_state
@@ -31,7 +31,7 @@ def drop_stale_calls(root: nn.Module | None) -> None:
     stale. Walking the stack costs tens of microseconds, paid only when a root starts
     with something in flight.
     """
-    executing = _executing()
+    executing = module_calls_on_stack()
     if root is not None:
         executing[id(root)] -= 1  # the call starting now
     local = thread_state
@@ -54,18 +54,6 @@ def drop_stale_calls(root: nn.Module | None) -> None:
         owner._events.add(reports.interrupted(), level=logging.INFO)
 
 
-def _executing() -> collections.Counter[int]:
-    """How many calls of each module (by id) are running on this thread's Python stack."""
-    executing: collections.Counter[int] = collections.Counter()
-    call_impl = nn.Module._call_impl.__code__
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code is call_impl:
-            executing[id(frame.f_locals.get("self"))] += 1
-        frame = frame.f_back
-    return executing
-
-
 def running(root: nn.Module, scheduler: Owner | None, observed: bool = False) -> bool:
     """Whether a call of ``root`` (observed by the dataflow planner when ``observed``), or
     of one of ``scheduler``'s stages, is running on this thread. What interrupted
@@ -77,7 +65,7 @@ def running(root: nn.Module, scheduler: Owner | None, observed: bool = False) ->
         frame.stage.owner is scheduler for frame in local.frames
     ):
         return True
-    return observed and _executing()[id(root)] > 0
+    return observed and module_calls_on_stack()[id(root)] > 0
 
 
 def _stale_suffix(entries: list[Any], executing: collections.Counter[int]) -> list[Any]:

@@ -8,6 +8,7 @@ opening and closing a range, a torch operation, happens with the join-on-touch m
 
 from __future__ import annotations
 
+from .._compat import deferred_joins_work
 from .overlap import DeferredScheduler
 from .profiling import ProfiledScheduler
 from .scheduler import Scheduler
@@ -20,7 +21,8 @@ class _ProfiledDeferredScheduler(DeferredScheduler, ProfiledScheduler):
 
 
 def scheduler_class(*, overlap_forward: bool, profile_ranges: bool) -> type[Scheduler]:
-    """The scheduler class for these options of ``OOOModule``."""
-    if overlap_forward:
+    """The scheduler class for these options of ``OOOModule`` (joins at once where this
+    torch lacks what deferring them needs: ``_compat`` warns)."""
+    if overlap_forward and deferred_joins_work():
         return _ProfiledDeferredScheduler if profile_ranges else DeferredScheduler
     return ProfiledScheduler if profile_ranges else Scheduler

@@ -49,11 +49,13 @@ def wrapped_class(model: nn.Module, cls: type[nn.Module], base: type[nn.Module])
     """
     missing = object()
     on_class = {n for n in _API_NAMES if inspect.getattr_static(cls, n, missing) is not missing}
-    on_instance = {
-        n
-        for n in _API_NAMES
-        if n in vars(model) or n in model._modules or n in model._parameters or n in model._buffers
+    own = {
+        *vars(model),
+        *(name for name, _ in model.named_children()),
+        *(name for name, _ in model.named_parameters(recurse=False, remove_duplicate=False)),
+        *(name for name, _ in model.named_buffers(recurse=False, remove_duplicate=False)),
     }
+    on_instance = {n for n in _API_NAMES if n in own}
     shadowed = tuple(sorted(on_class | on_instance))
     for name in shadowed:
         if (cls, name) not in _warned_shadowed:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .._compat import dataflow_names_found
 from .._events import EventKind, OOOEvent
 from .._plan import Plan, StageSource, as_stage_names, plural
 from .._planner.api import named_stages, reference_gpu
@@ -115,6 +116,8 @@ class Learner:
         # This forward runs inline: its parameters' accumulators are made on the caller's
         # stream (and released again before the first planned forward).
         self._accumulators.begin(module, "inline")
+        if not dataflow_names_found():
+            return self._failed(module, "this torch lacks what observing a forward needs")
         observer = Observer(module, gpu=reference_gpu(self._gpu), inside_root=True)
         try:
             observer.__enter__()

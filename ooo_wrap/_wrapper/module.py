@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .._compat import is_compiled_module
+from .._compat import is_compiled_module, streaming_names_found
 from .._errors import OOOConfigError, OOOError, warn_user
 from .._events import EventKind, EventLog, OOOEvent
 from .._plan import Plan, plural
@@ -290,6 +290,11 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
         return record_fallback(model, Reason.COMPILED, warn=True)
     if isinstance(model, torch.jit.ScriptModule):
         return record_fallback(model, Reason.UNSUPPORTED_MODULE)
+    # Never stream without what keeps it correct: checkpoint recomputations ordered for
+    # their readers, every tensor in a stage's inputs found, stale calls found on the
+    # stack (each missing name is warned about once).
+    if not install_recompute_ordering() or not streaming_names_found():
+        return record_fallback(model, Reason.UNSUPPORTED_TORCH)
     backend = options.backend if options.backend is not None else AcceleratorBackend()
     found = what_to_install(model, options, backend)
     if found is None:
@@ -307,7 +312,6 @@ def _install(
 ) -> nn.Module:
     """Register hooks (the scheduler's, or the learner's when ``learn_on`` names the device
     to learn on) and swap the class; undo all of it on any failure."""
-    install_recompute_ordering()  # before the first forward: the learning step's checkpoints too
     original_class = type(model)
     names_before = _names(model)
     log = EventLog()

@@ -39,7 +39,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._compat import MODULE_CHILDREN_KEY
+from .._compat import MODULE_CHILDREN_KEY, handle_dicts, hook_dicts, next_hook_id
 from .._errors import OOOConfigError, OOOError
 from .._events import EventKind, OOOEvent
 from .._planner.api import named_stages
@@ -78,7 +78,7 @@ def plain_deepcopy(model: nn.Module, state: WrapState, memo: dict[int, Any]) -> 
     _check_rewrappable(model, state, "copy")
     handles = state.handles
     for index, handle in enumerate(handles):
-        hooks = handle.hooks_dict_ref()
+        hooks = handle_dicts(handle)[0]
         if hooks is not None and handle.id in hooks:
             memo[id(hooks[handle.id])] = _WrapperHook(index)  # copied as the marker
     cls = state.original_class
@@ -108,7 +108,7 @@ def plain_state(model: nn.Module, state: WrapState) -> dict[str, Any]:
     ours: dict[int, dict[int, _WrapperHook | None]] = {}  # id(dict) -> hook id -> marker
     handles = state.handles
     for index, handle in enumerate(handles):
-        hooks = handle.hooks_dict_ref()
+        hooks = handle_dicts(handle)[0]
         if hooks is not None:
             ours.setdefault(id(hooks), {})[handle.id] = _WrapperHook(index)
     for hooks, hook_id in _extra_entries(handles):
@@ -155,9 +155,8 @@ def _on_paths(model: nn.Module, ours: dict[int, Any]) -> set[int]:
 def _extra_entries(handles: list[RemovableHandle]) -> Iterator[tuple[Hooks, int]]:
     """Each (dict, hook id) in the handles' extra dicts (``with_kwargs``, ``always_call``)."""
     for handle in handles:
-        for ref in handle.extra_dict_ref:
-            hooks = ref()
-            if hooks is not None and handle.id in hooks:
+        for hooks in handle_dicts(handle)[1]:
+            if handle.id in hooks:
                 yield hooks, handle.id
 
 
@@ -252,9 +251,8 @@ def _rekey_loaded_hooks(model: nn.Module) -> None:
     together (``with_kwargs`` and ``always_call`` share the hook's id); order is kept.
     """
     for module in model.modules():
-        attributes = vars(module).items()
-        dicts = [v for k, v in attributes if k[:1] == "_" and "_hooks" in k and isinstance(v, dict)]
-        first_unused = RemovableHandle.next_id
+        dicts = hook_dicts(module)
+        first_unused = next_hook_id()
         loaded = sorted({k for d in dicts for k in d if type(k) is int and k >= first_unused})
         if not loaded:
             continue
@@ -270,7 +268,7 @@ def _reorder(hooks: Hooks, order: list[Any], handles: list[RemovableHandle]) -> 
     keys = []
     for item in order:
         if isinstance(item, _WrapperHook):
-            if item.index >= len(handles) or handles[item.index].hooks_dict_ref() is not hooks:
+            if item.index >= len(handles) or handle_dicts(handles[item.index])[0] is not hooks:
                 return  # planned differently this time: keep the order registration gave
             keys.append(handles[item.index].id)
         else:

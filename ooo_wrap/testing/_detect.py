@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from .._compat import checker_names_found
+from .._errors import OOOError
 from .._planner.cost import H200, ReferenceGPU
 from .._planner.intercept import OpInterceptor, intercept_new_threads
 from ._capture import simulated_capture
@@ -131,6 +133,10 @@ def detect(
         the :class:`Detection`, whose ``races`` and ``allocator_hazards`` are final
         once the block exits.
 
+    Raises:
+        OOOError: this torch lacks a private PyTorch name the detector models the
+            autograd engine with (named in the message; docs/torch-versions.md).
+
     Example::
 
         >>> with detect() as found:
@@ -144,6 +150,13 @@ def detect(
         >>> [str(r.kind) for r in found.races]
         ['read-after-write']
     """
+    missing = checker_names_found()
+    if missing is not None:
+        raise OOOError(
+            f"the race checker needs {missing}, a private PyTorch name this torch "
+            f"({torch.__version__}) lacks; run it on a torch that has it (see "
+            "docs/torch-versions.md)"
+        )
     backend = backend if backend is not None else DetectingBackend()
     if backend._detection is not None:
         raise RuntimeError("this backend is already inside a detect() block")

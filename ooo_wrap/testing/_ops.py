@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._compat import storage_address, storage_tensor
+from .._compat import op_schema, storage_address, storage_tensor
 from .._planner.intercept import OpArgs, OpKwargs, OpOverload
 from .._planner.schema import arguments, declared_writes
 from .._tensors import tensors_in
@@ -180,7 +180,7 @@ def storage_key(tensor: torch.Tensor) -> int | None:
 
 def is_view_only(func: OpOverload) -> bool:
     """Whether ``func`` only makes a view: no kernel, no allocation."""
-    return func.is_view and func._schema.name != _LIFT
+    return func.is_view and op_schema(func).name != _LIFT
 
 
 def written_keys(func: OpOverload, args: OpArgs, kwargs: OpKwargs) -> list[int | None] | None:
@@ -189,7 +189,7 @@ def written_keys(func: OpOverload, args: OpArgs, kwargs: OpKwargs) -> list[int |
     An op may give a written argument new memory (``out=`` resizing, ``resize_``): the
     storage then differs after the op, and that memory was allocated by it.
     """
-    if not func._schema.is_mutable:
+    if not op_schema(func).is_mutable:
         return None
     return [storage_key(t) for t in declared_writes(func, args, kwargs)]
 
@@ -210,7 +210,7 @@ def tensor_uses(
     (from :func:`written_keys`) tells which written arguments got new memory from the op:
     those are fresh too.
     """
-    if func._schema.name == _LIFT:
+    if op_schema(func).name == _LIFT:
         return [TensorUse(t, k, True, True) for t in tensors_in(out) if (k := storage_key(t))]
     if func.is_view:
         return []

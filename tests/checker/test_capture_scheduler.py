@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import replace
-from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
 from ooo_wrap import EventKind, OOOModule
-from ooo_wrap._planner import api as planner_api
 from ooo_wrap.testing import (
     CaptureError,
     CheckReport,
@@ -30,6 +27,7 @@ from ooo_wrap.testing import (
 from ooo_wrap.testing._timeline import split_steps
 from tests.checker.test_checker_guards import OwnStream, Towers, _remove
 from tests.support import overlap_models as om
+from tests.support.reference import FREE_FORK
 
 
 def _captured_step(report: CheckReport) -> list[OpRecord]:
@@ -62,13 +60,9 @@ def test_a_captured_step_of_towers_runs_on_side_streams(overlap_forward: bool) -
     assert {("side1", "backward"), ("side2", "backward")} <= side
 
 
-_FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
-
-
 @pytest.mark.usefixtures("plan_by_rule")
 def test_the_learned_plan_is_captured_after_an_eager_learning_step() -> None:
-    with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
-        report = check(om.TowersSum(), om.inputs(), capture=True, steps=3)
+    report = check(om.TowersSum(), om.inputs(), capture=True, steps=3, gpu=FREE_FORK)
     assert report.ok and report.captured, str(report)
     assert ("side1", "backward") in _side_ops(_captured_step(report))
 

@@ -12,9 +12,8 @@ whole forward runs under CPU autocast to bfloat16.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -24,8 +23,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
-from ooo_wrap._planner import api as planner_api
 from ooo_wrap.testing import CheckReport, check
+from tests.support.reference import FREE_FORK
 
 pytestmark = pytest.mark.slow  # subprocesses or many random models
 
@@ -217,9 +216,6 @@ def test_random_models_with_a_custom_loss_and_explicit_stages(spec: Spec, steps:
 
 # Structure only: these models are far too small for any fork to pay on a real GPU, so the
 # learner's reference GPU gets a near-free fork; the plan it learns is then checked as is.
-_FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
-
-
 @settings(
     max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -228,9 +224,8 @@ def test_random_models_pass_with_the_learned_plan(spec: Spec) -> None:
     torch.manual_seed(2)
     model = GrammarModel(spec)
     x = torch.randn(4, WIDTH)
-    with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
-        learned = ooo_wrap.plan(model, spec.streams, example_inputs=(x,))
-        report = check(model, x, streams=spec.streams, steps=3)
+    learned = ooo_wrap.plan(model, spec.streams, example_inputs=(x,), gpu=FREE_FORK)
+    report = check(model, x, streams=spec.streams, steps=3, gpu=FREE_FORK)
     assert learned.learned is not None
     edges = learned.learned.count_edges(learned.learned.stage_streams)
     assert edges.chain_splits == 0, f"{spec}\n{learned}"

@@ -5,16 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
 import ooo_wrap
-from ooo_wrap._planner import api as planner_api
 from ooo_wrap._wrapper.options import Planner
 from ooo_wrap.testing import (
     CheckFailed,
@@ -25,6 +22,7 @@ from ooo_wrap.testing import (
     check,
 )
 from ooo_wrap.testing import _check as check_module
+from tests.support.reference import FREE_FORK
 
 
 class Towers(nn.Module):
@@ -143,14 +141,10 @@ class SparseTowers(nn.Module):
 
 # These models are far too small for a fork to pay on a real GPU: with the dataflow planner
 # the learner's reference GPU gets a near-free fork, so that a plan is learned and checked.
-_FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
-
-
 @pytest.mark.parametrize("planner", ["static", "dataflow"])
 @pytest.mark.usefixtures("plan_by_rule")
 def test_sparse_gradients_are_compared(planner: Planner) -> None:
-    with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
-        report = check(SparseTowers(), torch.randint(0, 10, (3, 5)), planner=planner)
+    report = check(SparseTowers(), torch.randint(0, 10, (3, 5)), planner=planner, gpu=FREE_FORK)
     assert report.ok, str(report)
     assert {"grad:left.weight", "grad:right.weight"} <= {entry.name for entry in report.parity}
 
@@ -183,8 +177,7 @@ class Masked(nn.Module):
 def test_check_takes_keyword_inputs(planner: Planner) -> None:
     x, mask = torch.randn(3, 6), torch.ones(3, 6, requires_grad=True)
     kwargs = {"mask": mask, "scale": 0.5}
-    with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
-        report = check(Masked(), x, example_kwargs=kwargs, planner=planner)
+    report = check(Masked(), x, example_kwargs=kwargs, planner=planner, gpu=FREE_FORK)
     assert report.ok, str(report)
     assert report.not_checked is None
     assert mask.grad is None and kwargs == {"mask": mask, "scale": 0.5}  # the caller's

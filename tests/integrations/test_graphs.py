@@ -10,9 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -23,10 +21,10 @@ from torch.utils.hooks import RemovableHandle
 
 import ooo_wrap
 from ooo_wrap._compat import forward_hook_dicts
-from ooo_wrap._planner import api as planner_api
 from ooo_wrap._wrapper import registry
 from ooo_wrap.testing import DetectingBackend, SimulatedBackend, detect
 from tests.support.models import Towers, hook_count
+from tests.support.reference import FREE_FORK
 
 DIM = 6
 STEPS = 4
@@ -35,9 +33,9 @@ STEPS = 4
 EXPECTED_REASON = "not_on_cuda" if torch.cuda.is_available() else "no_cuda"
 
 
-def _wrapped(plain: nn.Module, planner: str = "static") -> nn.Module:
+def _wrapped(plain: nn.Module, planner: str = "static", gpu: Any = None) -> nn.Module:
     model = ooo_wrap.OOOModule(
-        copy.deepcopy(plain), streams=2, backend=SimulatedBackend(), planner=planner
+        copy.deepcopy(plain), streams=2, backend=SimulatedBackend(), planner=planner, gpu=gpu
     )
     assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
     return model
@@ -95,11 +93,9 @@ def test_without_cuda_graphed_step_gives_the_eager_losses_bit_for_bit(
 
 @pytest.mark.usefixtures("plan_by_rule")
 def test_the_warm_up_learns_a_dataflow_plan_before_the_capture_would_start() -> None:
-    free_fork = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
-    with mock.patch.object(planner_api, "REFERENCE_GPU", free_fork):
-        model = _wrapped(Towers(), planner="dataflow")
-        assert model.plan.pending
-        ooo_wrap.graphed_step(_step_for(model), *_batches(1)[0], warmup=2)
+    model = _wrapped(Towers(), planner="dataflow", gpu=FREE_FORK)
+    assert model.plan.pending
+    ooo_wrap.graphed_step(_step_for(model), *_batches(1)[0], warmup=2)
     assert not model.plan.pending and len(model.plan.stages) >= 2
     # Step 1 learned inline; step 2 ran every stage on its side stream, as a capture would.
     assert model.stats.stage_calls == len(model.plan.stages)

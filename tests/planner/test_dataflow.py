@@ -6,7 +6,6 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap._errors import OOOConfigError
-from ooo_wrap._planner import api as planner_api
 from ooo_wrap._planner.api import plan
 from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import LearnedPlan, _nested, learn, learn_plan
@@ -329,8 +327,7 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     learned.to_plan(model)  # valid: known, disjoint names
     # The wrapper learns the same plan on the first step (same near-free fork), then the
     # learned stages run on their learned streams in the next two.
-    with mock.patch.object(planner_api, "REFERENCE_GPU", tiny):
-        report = check(model, *args, streams=4, steps=3)
+    report = check(model, *args, streams=4, steps=3, gpu=tiny)
     assert report.ok, str(report)
     side = {row.stream for row in report.ops if row.forward and row.stream != "default"}
     assert len(side) == len(set(learned.stage_streams.values()))
@@ -345,8 +342,7 @@ def test_branches_updating_shared_running_statistics_are_one_chain() -> None:
     learned = learn_plan(model, (x,), streams=2, gpu=tiny)
     (region,) = learned.regions
     assert sorted(branch.calls for branch in region.branches) == [("a", "b"), ("c",)]
-    with mock.patch.object(planner_api, "REFERENCE_GPU", tiny):
-        report = check(model, x, streams=2, steps=3, overlap_forward=True)
+    report = check(model, x, streams=2, steps=3, overlap_forward=True, gpu=tiny)
     assert report.ok, str(report)
 
 

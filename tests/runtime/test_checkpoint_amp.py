@@ -5,9 +5,7 @@ change no arithmetic)."""
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -15,11 +13,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
-from ooo_wrap._planner import api as planner_api
 from ooo_wrap._runtime import recompute as _recompute
 from ooo_wrap._runtime import scheduler as scheduler_module
 from ooo_wrap.testing import DetectingBackend, SimulatedBackend, check, detect
 from ooo_wrap.testing._simulated import DEFAULT_STREAM
+from tests.support.reference import FREE_FORK
 
 STEPS = 3
 
@@ -292,8 +290,8 @@ def test_autocast_weight_tied_across_stages_keeps_bitwise_parity() -> None:
 
 
 # These models are far too small for a fork to pay on a real GPU: the learner's reference
-# GPU gets a near-free fork, so that the dataflow planner puts the branches on streams.
-_FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
+# GPU gets a near-free fork (FREE_FORK), so that the dataflow planner puts the branches on
+# streams.
 
 
 def _tower() -> nn.Module:
@@ -332,16 +330,16 @@ def _check_branches(
     torch.manual_seed(0)
     model = CheckpointedBranches(branches)
     stages = model.names if planner == "static" else None
-    with mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK):
-        return check(
-            model,
-            torch.randn(8, 16),
-            streams=3,
-            stages=stages,
-            steps=steps,
-            planner=planner,  # type: ignore[arg-type]
-            overlap_forward=overlap_forward,
-        )
+    return check(
+        model,
+        torch.randn(8, 16),
+        streams=3,
+        stages=stages,
+        steps=steps,
+        planner=planner,  # type: ignore[arg-type]
+        overlap_forward=overlap_forward,
+        gpu=FREE_FORK,
+    )
 
 
 @pytest.mark.parametrize("overlap_forward", [False, True], ids=["joins", "overlap_forward"])

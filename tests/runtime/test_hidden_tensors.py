@@ -151,3 +151,40 @@ def test_map_leaves_rebuilds_the_containers() -> None:
 @dataclasses.dataclass
 class _Holder:
     tensor: torch.Tensor
+
+
+class NamespaceOut(nn.Module):
+    """Two towers whose model returns its result in a plain object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(8, 8)
+        self.right = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> types.SimpleNamespace:
+        return types.SimpleNamespace(logits=self.left(x) + self.right(x), step=1)
+
+
+def test_the_checker_sees_the_tensors_the_hooks_see() -> None:
+    # One walker: check() (its default loss, its parity) finds an output the stage hooks
+    # find, in a plain object too. With a walker of its own it found no tensor there and
+    # refused the model ("no floating-point tensor that requires grad").
+    value = (
+        types.SimpleNamespace(logits=torch.ones(1), lr=0.1),
+        collections.deque([torch.ones(1)]),
+    )
+    assert [name for name, _ in named_tensors(value, "output")] == [
+        "output[0].logits",
+        "output[1][0]",
+    ]
+    report = check(NamespaceOut(), torch.randn(4, 8), planner="static")
+    assert report.ok, str(report)
+    assert "output.logits" in {entry.name for entry in report.parity}
+
+
+def test_map_leaves_rebuilds_registered_containers_and_keeps_dict_kinds() -> None:
+    value = {"q": collections.deque([1, 2]), "d": collections.defaultdict(list, {"k": 3})}
+    mapped = map_leaves(lambda x: x * 10, value)
+    assert mapped["q"] == collections.deque([10, 20])
+    assert isinstance(mapped["d"], collections.defaultdict) and mapped["d"]["k"] == 30
+    assert mapped["d"]["missing"] == []  # the factory kept

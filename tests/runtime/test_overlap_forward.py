@@ -12,7 +12,6 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import EventKind
-from ooo_wrap._runtime import deferred as _deferred
 from ooo_wrap.testing import SimulatedBackend, VirtualStream, check
 from tests.support import overlap_models as om
 
@@ -27,7 +26,7 @@ def _wrap(model: nn.Module) -> SimulatedBackend:
 
 def _idle() -> bool:
     """Nothing pending and the join mode off the stack, on this thread."""
-    return _deferred.pending_count() == 0 and torch._C._len_torch_function_stack() == 0
+    return om.pending_joins() == 0 and torch._C._len_torch_function_stack() == 0
 
 
 @pytest.mark.parametrize("name", sorted(om.ACCEPTANCE))
@@ -145,9 +144,9 @@ def test_any_touch_at_the_callers_level_joins_first(touch: object) -> None:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         h = model.a(x)
-        seen.append(_deferred.pending_count())
+        seen.append(om.pending_joins())
         touch(h)  # type: ignore[operator]
-        seen.append(_deferred.pending_count())
+        seen.append(om.pending_joins())
         return h
 
     model.forward = forward  # type: ignore[method-assign]
@@ -185,9 +184,7 @@ def test_a_stage_that_raises_is_joined_at_once() -> None:
     model = om.FailingSecondTower()
     _wrap(model)
     seen: list[int] = []
-    model.third.register_forward_pre_hook(
-        lambda module, args: seen.append(_deferred.pending_count())
-    )
+    model.third.register_forward_pre_hook(lambda module, args: seen.append(om.pending_joins()))
     model(om.inputs())
     assert seen == [1]  # the first tower still pending; the failed second joined already
     assert _idle()
@@ -234,7 +231,7 @@ class BarrierTowers(om.TowersSum):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = [tower(x) for tower in self.towers]
         self.barrier.wait()  # both threads hold pending joins now
-        self.seen.append(_deferred.pending_count())
+        self.seen.append(om.pending_joins())
         self.barrier.wait()
         return torch.stack(outs).sum(0)
 
@@ -265,7 +262,7 @@ def test_without_overlap_no_join_is_ever_pending() -> None:
     original = model.towers[1].forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        seen.append(_deferred.pending_count())
+        seen.append(om.pending_joins())
         return original(x)
 
     model.towers[1].forward = forward  # type: ignore[method-assign]
@@ -305,7 +302,7 @@ class Interrupted(om.TowersSum):
     pending_at_start = -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.pending_at_start = _deferred.pending_count()
+        self.pending_at_start = om.pending_joins()
         outs = [tower(x) for tower in self.towers]
         if self.interrupt:
             raise KeyboardInterrupt
@@ -318,7 +315,7 @@ def test_an_interrupted_forward_is_joined_when_the_next_one_starts() -> None:
     x = om.inputs()
     with pytest.raises(KeyboardInterrupt):
         model(x)
-    assert _deferred.pending_count() == 3  # nothing ran after the interrupt
+    assert om.pending_joins() == 3  # nothing ran after the interrupt
     model.interrupt = False
     model(x)  # made before: no torch call in between joins
     assert model.pending_at_start == 0  # the root's start joined what was left
@@ -347,9 +344,9 @@ def _defers_and_joins_on_touch() -> bool:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         h = model.a(x)
-        seen.append(_deferred.pending_count())
+        seen.append(om.pending_joins())
         h = h * 2
-        seen.append(_deferred.pending_count())
+        seen.append(om.pending_joins())
         out: torch.Tensor = model.b(h)
         return out
 
@@ -393,9 +390,9 @@ def test_the_join_mode_is_pushed_again_after_something_removed_it() -> None:
         first = model.towers[0](x)
         torch.overrides._pop_mode()  # the join mode, as code clearing the mode stack would
         second = model.towers[1](x)
-        seen.append(_deferred.pending_count())
+        seen.append(om.pending_joins())
         out = first + second
-        seen.append(_deferred.pending_count())
+        seen.append(om.pending_joins())
         return out
 
     model.forward = forward  # type: ignore[method-assign]
@@ -420,7 +417,7 @@ def test_the_join_mode_stays_above_the_default_device_mode() -> None:
     torch.set_default_device("cpu")
     try:
         model(om.inputs())
-        assert _deferred.pending_count() == 0
+        assert om.pending_joins() == 0
     finally:
         torch.set_default_device(None)
     assert _idle()

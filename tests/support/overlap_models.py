@@ -14,6 +14,13 @@ from torch.overrides import TorchFunctionMode
 DIM = 8
 
 
+def pending_joins() -> int:
+    """Joins pending on this thread."""
+    from ooo_wrap._runtime.inflight import thread_state
+
+    return len(thread_state.pending)
+
+
 class TowersSum(nn.Module):
     """Independent towers, all called before the parent sums their outputs."""
 

@@ -10,7 +10,7 @@ give the same findings both times (stable) and none at all (clean, bitwise parit
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from ooo_wrap._planner import api as planner_api
 from ooo_wrap._planner import dataflow
 from ooo_wrap._wrapper.options import Planner
 from ooo_wrap.testing import CaptureError, CheckReport, check
+from tests.support.reference import FREE_FORK
 from tests.zoo import cnn
 
 pytestmark = pytest.mark.zoo
@@ -170,20 +170,17 @@ CASES = [pytest.param(case, id=case.name) for case in CNN_CASES + HF_CASES]
 
 
 # Structure only: at these tiny sizes no fork pays on a real GPU, and a model whose
-# learned plan is no_parallelism runs plain and checks nothing; with a near-free fork and
+# learned plan is no_parallelism runs plain and checks nothing; with a near-free fork
+# (FREE_FORK) and
 # every region the region rule finds kept (the simulated step of a tiny model pays for
 # none) the dataflow planner learns the parallel structure of the architecture, which is
 # checked.
-_FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
 
 
 def _run(case: Case, *, capture: bool = False) -> CheckReport:
     torch.manual_seed(0)
     model, inputs = case.build()
-    with (
-        mock.patch.object(planner_api, "REFERENCE_GPU", _FREE_FORK),
-        mock.patch.object(dataflow, "BY_SIMULATION", False),
-    ):
+    with mock.patch.object(dataflow, "BY_SIMULATION", False):
         return check(
             model,
             *inputs,
@@ -193,6 +190,7 @@ def _run(case: Case, *, capture: bool = False) -> CheckReport:
             steps=2,
             planner=case.planner,
             capture=capture,
+            gpu=FREE_FORK,
         )
 
 
