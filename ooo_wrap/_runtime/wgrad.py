@@ -213,7 +213,7 @@ class WeightGradSplit:
         autocast = torch.is_autocast_enabled(device.type)
         dtype = torch.get_autocast_dtype(device.type) if autocast else None
         # 1. The pass-through node (and autocast's casts) made on W.
-        backend.set_stream(stream)
+        backend.set_stream(_handoff_stream(stream, ambient))
         try:
             if bias is None:
                 handed_w, handed_b = _apply(_Handoff, weight), None
@@ -229,6 +229,26 @@ class WeightGradSplit:
         self.counters.split_layer_calls += 1
         # 2. The split node, made on A.
         return _apply(_Split, self, rule, layer, stream, x, handed_w, handed_b)
+
+
+# The synchronization points, one function each (the mutation tests remove each one and
+# show the race checker catches it).
+
+
+def _handoff_stream(stream: Stream, ambient: Stream) -> Stream:
+    """1. The stream the pass-through node is made on: the weight-gradient stream."""
+    return stream
+
+
+def _protect(backend: Backend, tensors: Iterable[Tensor], stream: Stream) -> None:
+    """3. ``record_stream(W)`` for each tensor ``W`` reads in backward."""
+    for tensor in tensors:
+        backend.record_stream(tensor, stream)
+
+
+def _order_after(backend: Backend, stream: Stream, ambient: Stream) -> None:
+    """3. ``W`` waits on an event recorded on ``A`` now (the output gradient is ready)."""
+    backend.wait_event(stream, backend.record_event(ambient))
 
 
 def _params(layer: nn.Module) -> tuple[Tensor | None, Tensor | None]:
@@ -309,9 +329,8 @@ class _Split(torch.autograd.Function):
         if need_w or need_b:
             # 3. W reads grad and the saved tensors: keep their blocks from A's reuse,
             # then order W after everything queued on A so far (grad is ready there).
-            for tensor in (grad, x, weight):
-                backend.record_stream(tensor, stream)
-            backend.wait_event(stream, backend.record_event(ambient))
+            _protect(backend, (grad, x, weight), stream)
+            _order_after(backend, stream, ambient)
         # 4. dI on A, on the critical path; then dW (and db) on W.
         dx = rule.input_grad(layer, grad, x, weight) if need_x else None
         dw: Tensor | None = None
