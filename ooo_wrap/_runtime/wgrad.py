@@ -31,6 +31,10 @@ weight-gradient stream):
    first use may be elsewhere), hooks, and the end-of-backward wait of the caller's
    stream on leaf streams. dW's memory was allocated on ``W``; the engine
    ``record_stream``s it to any other consumer stream.
+6. Memory: each dW holds its layer's output gradient and input until it ran, so before a
+   layer's dI, its stream waits on the end of the dW launched ``LAG`` split layers before
+   (``W`` may lag by at most ``LAG`` layers' weight gradients); the events are dropped
+   when the backward ends.
 
 With ``create_graph=True`` (known only in backward: grad mode is on there) the backward
 computes dI and dW inline on ``A`` with differentiable ops, so a gradient penalty's double
@@ -47,20 +51,23 @@ pickles and copies as its original class.
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import weakref
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .._compat import functorch_transforms_active
+from .._compat import functorch_transforms_active, queue_engine_callback
 from .._events import EventKind, EventLog, OOOEvent
 from .._stats import Counters
-from .backend import Backend, Stream
+from .backend import Backend, Event, Stream
 from .bypass import eager_bypass_reason
 from .inflight import thread_state
+from .wgrad_function import run_split
 from .wgrad_layers import SplitRule, rule_for
 
 __all__ = ["WeightGradSplit", "split_layers", "swapped_class"]
@@ -71,6 +78,9 @@ logger = logging.getLogger("ooo_wrap")
 _owners: weakref.WeakKeyDictionary[nn.Module, WeightGradSplit] = weakref.WeakKeyDictionary()
 # original class -> its swapped class; classes live for the process.
 _classes: dict[type[nn.Module], type[nn.Module]] = {}
+
+# How many split layers' weight gradients the layers' stream may run ahead of (6.).
+LAG = 2
 
 _MESSAGES = {
     "no_grad": "gradients are off: no weight gradient to split",
@@ -117,6 +127,9 @@ class WeightGradSplit:
         self._layers: list[tuple[weakref.ref[nn.Module], type[nn.Module]]] = []
         self._reported: set[str] = set()
         self._forward_planned = False  # whether the model's last forward ran planned
+        # Per device, the events of the dW launched by this backward's last split layers
+        # (6.), oldest first; emptied when the backward ends.
+        self._lag: dict[torch.device, collections.deque[Event]] = {}
 
     def install(self, layers: Iterable[nn.Module]) -> None:
         """Swap each layer's class (its original kept to restore)."""
@@ -148,6 +161,28 @@ class WeightGradSplit:
         if stream is None:
             stream = self._streams[device] = self.backend.new_stream(device)
         return stream
+
+    def bound_lag(self, device: torch.device, ambient: Stream) -> None:
+        """6. The layer's stream waits on the dW of the split layer ``LAG`` calls back, so
+        the blocks each dW holds (its layer's output gradient and input) are freed with at
+        most ``LAG`` layers' delay behind a plain backward."""
+        lag = self._lag.get(device)
+        if lag is None:
+            lag = self._lag[device] = collections.deque()
+            # Events never outlive the backward (a wait must not cross a graph capture's
+            # boundary): the engine's end-of-backward callback drops them.
+            queue_engine_callback(functools.partial(self._end_backward, device))
+        if len(lag) >= LAG:
+            self.backend.wait_event(ambient, lag.popleft())
+
+    def _end_backward(self, device: torch.device) -> None:
+        self._lag.pop(device, None)
+
+    def dw_launched(self, device: torch.device, stream: Stream) -> None:
+        """6. Note the end of the dW just launched on ``stream`` (the current stream)."""
+        lag = self._lag.get(device)
+        if lag is not None:
+            lag.append(self.backend.record_event(stream))
 
     def step_aside(self, reason: str) -> None:
         """Count a layer call that ran stock, and say why once."""
@@ -206,49 +241,8 @@ class WeightGradSplit:
             return original.forward(layer, x)
         weight, bias = _params(layer)
         assert weight is not None  # _reason refused a layer without one
-        device = weight.device
-        backend = self.backend
-        stream = self.stream(device)
-        ambient = backend.current_stream(device)
-        autocast = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else None
-        # 1. The pass-through node (and autocast's casts) made on W.
-        backend.set_stream(_handoff_stream(stream, ambient))
-        try:
-            if bias is None:
-                handed_w, handed_b = _apply(_Handoff, weight), None
-            else:
-                handed_w, handed_b = _apply(_Handoff, weight, bias)
-            if dtype is not None:
-                handed_w = _autocast(handed_w, dtype)
-                handed_b = None if handed_b is None else _autocast(handed_b, dtype)
-        finally:
-            backend.set_stream(ambient)
-        if dtype is not None:
-            x = _autocast(x, dtype)
         self.counters.split_layer_calls += 1
-        # 2. The split node, made on A.
-        return _apply(_Split, self, rule, layer, stream, x, handed_w, handed_b)
-
-
-# The synchronization points, one function each (the mutation tests remove each one and
-# show the race checker catches it).
-
-
-def _handoff_stream(stream: Stream, ambient: Stream) -> Stream:
-    """1. The stream the pass-through node is made on: the weight-gradient stream."""
-    return stream
-
-
-def _protect(backend: Backend, tensors: Iterable[Tensor], stream: Stream) -> None:
-    """3. ``record_stream(W)`` for each tensor ``W`` reads in backward."""
-    for tensor in tensors:
-        backend.record_stream(tensor, stream)
-
-
-def _order_after(backend: Backend, stream: Stream, ambient: Stream) -> None:
-    """3. ``W`` waits on an event recorded on ``A`` now (the output gradient is ready)."""
-    backend.wait_event(stream, backend.record_event(ambient))
+        return run_split(self, rule, layer, self.stream(weight.device), x, weight, bias)
 
 
 def _params(layer: nn.Module) -> tuple[Tensor | None, Tensor | None]:
@@ -258,115 +252,6 @@ def _params(layer: nn.Module) -> tuple[Tensor | None, Tensor | None]:
         weight if isinstance(weight, Tensor) else None,
         bias if isinstance(bias, Tensor) else None,
     )
-
-
-def _apply(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """``function.apply(*args)`` (untyped in torch)."""
-    return function.apply(*args)  # type: ignore[no-untyped-call]
-
-
-def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t`` as autocast casts the arguments of a lower-precision op (``cached_cast``:
-    floating point but not double, cast if its dtype differs)."""
-    if t.is_floating_point() and t.dtype not in (torch.float64, dtype):
-        return t.to(dtype)
-    return t
-
-
-class _Handoff(torch.autograd.Function):
-    """The pass-through node of step 1: hands the parameters' gradients on from ``W``."""
-
-    @staticmethod
-    def forward(ctx: Any, *params: Tensor) -> Any:
-        views = tuple(p.view_as(p) for p in params)
-        return views[0] if len(views) == 1 else views
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Any:
-        return grads[0] if len(grads) == 1 else grads
-
-
-class _Split(torch.autograd.Function):
-    """One split layer call: the stock forward; dI on its own stream, dW on ``W``."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        split: WeightGradSplit,
-        rule: SplitRule,
-        layer: nn.Module,
-        stream: Stream,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-    ) -> Tensor:
-        ctx.split, ctx.rule, ctx.stream = split, rule, stream
-        ctx.layer = weakref.ref(layer)
-        # What the engine checks dW and db against: the tensors handed in (cast, under
-        # autocast, as the cast's own node then converts on W).
-        ctx.bias_like = None if bias is None else _Like.of(bias)
-        ctx.save_for_backward(x, weight)
-        return rule.forward(layer, x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:
-        split: WeightGradSplit = ctx.split
-        rule: SplitRule = ctx.rule
-        layer = ctx.layer()
-        x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[4:7]
-        none = (None, None, None, None)
-        if layer is None:
-            raise RuntimeError("ooo_wrap: a split layer was freed before its backward ran")
-        if torch.is_grad_enabled():
-            # create_graph=True: differentiable and inline, so double backward is stock.
-            split.step_aside("create_graph")
-            inline_dx = rule.input_grad(layer, grad, x, weight) if need_x else None
-            inline_dw, inline_db = rule.weight_grads(layer, grad, x, weight, need_b)
-            return (*none, inline_dx, inline_dw if need_w else None, inline_db)
-        backend, stream = split.backend, ctx.stream
-        ambient = backend.current_stream(weight.device)
-        if need_w or need_b:
-            # 3. W reads grad and the saved tensors: keep their blocks from A's reuse,
-            # then order W after everything queued on A so far (grad is ready there).
-            _protect(backend, (grad, x, weight), stream)
-            _order_after(backend, stream, ambient)
-        # 4. dI on A, on the critical path; then dW (and db) on W.
-        dx = rule.input_grad(layer, grad, x, weight) if need_x else None
-        dw: Tensor | None = None
-        db: Tensor | None = None
-        if need_w or need_b:
-            backend.set_stream(stream)
-            try:
-                w_grad, b_grad = rule.weight_grads(layer, grad, x, weight, need_b)
-                dw = _like(w_grad, _Like.of(weight)) if need_w else None
-                db = _like(b_grad, ctx.bias_like) if need_b and b_grad is not None else None
-            finally:
-                backend.set_stream(ambient)
-        # 5. The engine hands dW to the pass-through node, on W.
-        return (*none, dx, dw, db)
-
-
-class _Like(NamedTuple):
-    """The dtype and strides a gradient must have (those of the tensor handed in)."""
-
-    dtype: torch.dtype
-    stride: tuple[int, ...]
-
-    @classmethod
-    def of(cls, t: Tensor) -> _Like:
-        return cls(t.dtype, t.stride())
-
-
-def _like(grad: Tensor, like: _Like) -> Tensor:
-    """``grad`` in ``like``'s dtype and strides, converted on the current stream (``W``):
-    the engine would otherwise convert it on the layer's stream, unordered with ``W``."""
-    if grad.dtype != like.dtype:
-        grad = grad.to(like.dtype)
-    if grad.stride() != like.stride:
-        out = torch.empty_strided(grad.shape, like.stride, dtype=grad.dtype, device=grad.device)
-        grad = out.copy_(grad)
-    return grad
 
 
 def swapped_class(original: type[nn.Module]) -> type[nn.Module]:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 import ooo_wrap
-import ooo_wrap._runtime.wgrad as wgrad
+import ooo_wrap._runtime.wgrad_function as wgrad
 from ooo_wrap.testing import CheckReport, DetectingBackend, check, detect
 from ooo_wrap.testing._engine import EngineModel
 from tests.runtime.test_wgrad import MLP, MODELS, mlp_input

@@ -387,3 +387,24 @@ def test_a_checkpoint_recomputes_split_layers_as_its_forward_ran_them() -> None:
     # The recomputation must save what the forward saved: split when the forward split.
     wrapped, _ = run(Checkpointed, mlp_input())
     assert wrapped.stats.split_layer_calls == 2 * (STEPS - 1) * 3  # forward and recompute
+
+
+def test_the_layer_stream_waits_on_the_weight_gradient_two_layers_back() -> None:
+    # Memory: W may lag by at most LAG split layers' dW; the events end with the backward.
+    from ooo_wrap._runtime.wgrad import LAG
+
+    deep = lambda: nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)))  # noqa: E731
+    wrapped, backend = wrap_split(deep())
+    x = torch.randn(3, 8)
+    plain_step(wrapped, x)  # learning
+    backend.clear_log()
+    plain_step(wrapped, x)
+    waits_on_w = [
+        c for c in backend.log if c.op == "wait_event" and c.stream.id == 0 and c.event is not None
+    ]
+    assert len(waits_on_w) == 6 - LAG
+    assert all(c.event is not None and c.event.stream.id != 0 for c in waits_on_w)
+    backend.clear_log()
+    plain_step(wrapped, x)  # a new backward starts with no event of the last one
+    again = [c for c in backend.log if c.op == "wait_event" and c.stream.id == 0]
+    assert len(again) == 6 - LAG
