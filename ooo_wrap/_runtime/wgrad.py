@@ -231,8 +231,6 @@ class WeightGradSplit:
         """A swapped layer's forward: split, or the stock one (counted)."""
         rule = rule_for(original)
         assert rule is not None  # split_layers swapped only layers with a rule
-        if torch.compiler.is_compiling():
-            return original.forward(layer, x)  # no graph break; not counted (recompiles)
         reason = "input_type" if not isinstance(x, Tensor) else self._reason(layer, rule, x)
         if reason is not None:
             if reason not in _MESSAGES:
@@ -261,6 +259,8 @@ def swapped_class(original: type[nn.Module]) -> type[nn.Module]:
     if cls is None:
 
         def forward(self: nn.Module, x: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return original.forward(self, x)  # before any look-up: no graph break
             split = _owners.get(self)
             if split is None:  # a copy made some other way: the stock layer
                 return original.forward(self, x)

@@ -408,3 +408,61 @@ def test_the_layer_stream_waits_on_the_weight_gradient_two_layers_back() -> None
     plain_step(wrapped, x)  # a new backward starts with no event of the last one
     again = [c for c in backend.log if c.op == "wait_event" and c.stream.id == 0]
     assert len(again) == 6 - LAG
+
+
+def test_torch_compile_of_the_split_model_runs_stock_layers_without_graph_breaks() -> None:
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    plain = MLP()
+    wrapped, _ = wrap_split(copy.deepcopy(plain))
+    x = mlp_input()
+    plain_step(wrapped, x)  # learns the plan (the split alone) eagerly
+    plain_step(plain, x)
+    assert type(wrapped[0]).__qualname__ == "OOOSplitLinear"
+    calls = wrapped.stats.split_layer_calls
+    try:
+        # fullgraph=True raises on any graph break, e.g. one caused by the swapped class.
+        compiled = torch.compile(wrapped, backend="aot_eager", fullgraph=True)
+        reference = torch.compile(plain, backend="aot_eager", fullgraph=True)
+        for _ in range(2):
+            out, expected = compiled(x), reference(x)
+            torch.testing.assert_close(out, expected)
+            out.square().mean().backward()
+            expected.square().mean().backward()
+        for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            torch.testing.assert_close(a.grad, b.grad)
+    finally:
+        torch.compiler.reset()
+    assert wrapped.stats.split_layer_calls == calls  # compiled calls ran the stock layers
+
+
+def test_graphed_step_trains_the_split_bitwise_as_plain() -> None:
+    # Without CUDA graphed_step runs its steps eagerly; the capture rules themselves are
+    # checked by check(..., capture=True, split_weight_grads=True).
+    torch.manual_seed(0)
+    plain = Block()
+    wrapped, _ = wrap_split(copy.deepcopy(plain))
+
+    def step_for(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            return loss.detach()
+
+        return step
+
+    sample = torch.randn(2, 4, 16)
+    batches = [torch.randn(2, 4, 16) for _ in range(3)]
+    graphed = ooo_wrap.graphed_step(step_for(wrapped), sample, warmup=2)
+    eager = step_for(plain)
+    expected = [eager(sample) for _ in range(2)] + [eager(b) for b in batches]
+    losses = [graphed(b) for b in batches]
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected[2:], strict=True))
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert wrapped.stats.split_layer_calls == 4 * 4  # the learning step aside
