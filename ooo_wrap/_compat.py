@@ -40,6 +40,7 @@ __all__ = [
     "functorch_transforms_active",
     "is_checkpoint_early_stop",
     "is_compiled_module",
+    "is_fsdp_managed",
     "modes_set_aside",
     "node_metadata",
     "node_sequence_nr",
@@ -83,6 +84,13 @@ def is_compiled_module(model: nn.Module) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None)
     return optimized is not None and isinstance(model, optimized)
+
+
+def is_fsdp_managed(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) manages ``module``'s parameters: it sets the private
+    ``_is_fsdp_managed_module`` on every module it manages (for Dynamo); read from the
+    instance's ``__dict__``, so a torch that renames it reads ``False``."""
+    return bool(vars(module).get("_is_fsdp_managed_module", False))
 
 
 def is_checkpoint_early_stop(error: BaseException) -> bool:

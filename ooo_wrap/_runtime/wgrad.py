@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._compat import functorch_transforms_active, queue_engine_callback
+from .._compat import functorch_transforms_active, is_fsdp_managed, queue_engine_callback
 from .._events import EventKind, EventLog, OOOEvent
 from .._stats import Counters
 from .backend import Backend, Event, Stream
@@ -91,6 +91,9 @@ _MESSAGES = {
     "not_dense": "a parameter is not a plain dense tensor (e.g. sharded by fully_shard): "
     "stock layer, since its owner reads or reduces .grad on its own streams",
     "frozen": "the weight does not require grad: nothing to split",
+    "fsdp": "the layer is managed by fully_shard (FSDP2), whose post-backward reads .grad "
+    "in the middle of backward and orders its reduce-scatter after the caller's stream only: "
+    "stock layer",
     "create_graph": "backward with create_graph=True: weight gradients computed inline, "
     "differentiably",
 }
@@ -217,6 +220,8 @@ class WeightGradSplit:
             return "anomaly"
         if functorch_transforms_active():
             return "functorch"
+        if is_fsdp_managed(layer):
+            return "fsdp"  # its post-backward reads .grad mid-backward, on its own streams
         weight, bias = _params(layer)
         if weight is None or not weight.requires_grad:
             return "frozen"
