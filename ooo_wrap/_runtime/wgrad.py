@@ -263,13 +263,15 @@ def swapped_class(original: type[nn.Module]) -> type[nn.Module]:
     cls = _classes.get(original)
     if cls is None:
 
-        def forward(self: nn.Module, x: Any) -> Any:
-            if torch.compiler.is_compiling():
-                return original.forward(self, x)  # before any look-up: no graph break
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling() or kwargs or len(args) != 1:
+                # Compiling: before any look-up, so no graph break. Other calling
+                # conventions (``input=x``) run the stock layer.
+                return original.forward(self, *args, **kwargs)
             split = _owners.get(self)
             if split is None:  # a copy made some other way: the stock layer
-                return original.forward(self, x)
-            return split.forward(self, original, x)
+                return original.forward(self, *args)
+            return split.forward(self, original, args[0])
 
         def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
             # Copies and pickles are of the plain layer (the split is the wrapper's).

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import ooo_wrap
@@ -466,3 +467,10 @@ def test_graphed_step_trains_the_split_bitwise_as_plain() -> None:
     for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
         assert torch.equal(a, b)
     assert wrapped.stats.split_layer_calls == 4 * 4  # the learning step aside
+
+
+def test_a_keyword_input_runs_the_stock_layer() -> None:
+    wrapped, _ = wrap_split(MLP())
+    plain_step(wrapped, mlp_input())
+    x = torch.randn(2, 12)
+    assert torch.equal(wrapped[0](input=x), F.linear(x, wrapped[0].weight, wrapped[0].bias))
