@@ -14,6 +14,7 @@ from ._plan import Plan, Stage
 from ._planner.api import plan
 from ._planner.cost import H200, ReferenceGPU
 from ._runtime.bypass import disabled
+from ._runtime.wgrad_layers import register_split_layer
 from ._stats import OOOStats
 from ._wrapper.module import OOOModule, unwrap
 from ._wrapper.registry import events_for
@@ -38,6 +39,7 @@ __all__ = [
     "graphed_step",
     "make_graphed_callables",
     "plan",
+    "register_split_layer",
     "unwrap",
 ]
 

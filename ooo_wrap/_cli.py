@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -102,8 +103,19 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "eagerly, as warm-up); a broken capture rule is a finding (exit status 1). With "
         "the dataflow planner it needs --steps 2 or more",
     )
+    check_parser.add_argument(
+        "--split-weight-grads",
+        choices=["on", "off", "auto"],
+        default="auto",
+        help="on: check each Linear/Conv layer's weight gradient on the weight-gradient "
+        "stream (OOOModule(..., split_weight_grads=True)); off: never; auto (default): as "
+        "OOOModule's default, which the checker (no tuning) leaves off",
+    )
     check_parser.set_defaults(run=_run_check)
     return parser
+
+
+_SPLIT: dict[str, bool | Literal["auto"]] = {"on": True, "off": False, "auto": "auto"}
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -219,6 +231,7 @@ def _run_check(args: argparse.Namespace) -> int:
             overlap_forward=args.overlap_forward,
             capture=args.capture,
             gpu=args.gpu,
+            split_weight_grads=_SPLIT[args.split_weight_grads],
         )
     except testing.CaptureError as error:  # the model broke a capture rule: a finding
         print(f"ooo_wrap check: FAILED under simulated graph capture: {one_line(error)}")

@@ -63,6 +63,7 @@ __all__ = [
     "hook_dicts",
     "is_checkpoint_early_stop",
     "is_compiled_module",
+    "is_fsdp_managed",
     "modes_set_aside",
     "module_calls_on_stack",
     "module_calls_visible",
@@ -319,6 +320,13 @@ def is_compiled_module(model: nn.Module) -> bool:
     eval_frame = "torch._dynamo.eval_frame"
     optimized = private(f"{eval_frame}.OptimizedModule", if_imported=eval_frame)
     return optimized is not None and isinstance(model, optimized)
+
+
+def is_fsdp_managed(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) manages ``module``'s parameters: it sets the private
+    ``_is_fsdp_managed_module`` on every module it manages (for Dynamo); read from the
+    instance's ``__dict__``, so a torch that renames it reads ``False``."""
+    return bool(vars(module).get("_is_fsdp_managed_module", False))
 
 
 def is_checkpoint_early_stop(error: BaseException) -> bool:

@@ -20,6 +20,10 @@ class OOOStats:
             end of each forward).
         bypasses: stage calls run inline on the caller's stream (see ``BYPASSED`` events).
         failures: stage calls that raised.
+        split_layer_calls: layer calls whose weight gradient ran on the weight-gradient
+            stream (``split_weight_grads``).
+        split_step_asides: calls of split layers that ran the stock layer instead (see
+            the ``BYPASSED`` events ``weight_grads_*``); under ``torch.compile`` not counted.
     """
 
     forwards: int = 0
@@ -29,6 +33,8 @@ class OOOStats:
     joins: int = 0
     bypasses: int = 0
     failures: int = 0
+    split_layer_calls: int = 0
+    split_step_asides: int = 0
 
 
 class Counters:
@@ -47,6 +53,8 @@ class Counters:
     joins: int
     bypasses: int
     failures: int
+    split_layer_calls: int
+    split_step_asides: int
 
     def snapshot(self) -> OOOStats:
         return OOOStats(**{name: getattr(self, name) for name in self.__slots__})

@@ -14,11 +14,18 @@ from .._plan import check_streams
 from .._runtime.backend import Backend
 from .._wrapper.fallback import record_fallback
 from .._wrapper.module import OOOModule
-from .._wrapper.options import check_backend, check_planner
+from .._wrapper.options import check_backend, check_planner, check_split_weight_grads
 
 __all__ = ["from_config"]
 
-_KNOWN_KEYS = ("ooo_backprop", "ooo_streams", "ooo_planner", "ooo_overlap_forward", "ooo_tune")
+_KNOWN_KEYS = (
+    "ooo_backprop",
+    "ooo_streams",
+    "ooo_planner",
+    "ooo_overlap_forward",
+    "ooo_tune",
+    "ooo_split_weight_grads",
+)
 
 logger = logging.getLogger("ooo_wrap")
 
@@ -32,7 +39,9 @@ def from_config(
     default 4), ``ooo_planner`` (``"dataflow"``, the default, or ``"static"``; see
     :class:`OOOModule`), ``ooo_overlap_forward`` (bool, default ``False``: see
     ``overlap_forward`` of :class:`OOOModule`), ``ooo_tune`` (``True``, ``False`` or
-    ``"auto"``, the default: see ``tune`` of :class:`OOOModule`) and ``compile`` (bool,
+    ``"auto"``, the default: see ``tune`` of :class:`OOOModule`),
+    ``ooo_split_weight_grads`` (``True``, ``False`` or ``"auto"``, the default: see
+    ``split_weight_grads`` of :class:`OOOModule`) and ``compile`` (bool,
     default ``False``: when true the model is returned untouched with a warning, since the
     compiled path wins). Other keys are ignored, but
     an unknown ``ooo_*`` key is an error, so a typo cannot silently turn the feature off.
@@ -70,6 +79,9 @@ def from_config(
     tune = config.get("ooo_tune", "auto")
     if not (isinstance(tune, bool) or tune == "auto"):
         raise OOOConfigError(f"config['ooo_tune'] must be true, false or 'auto', got {tune!r}")
+    split = check_split_weight_grads(
+        config.get("ooo_split_weight_grads", "auto"), "config['ooo_split_weight_grads']"
+    )
     if backend is not None:
         check_backend(backend)
     if not enabled:
@@ -84,6 +96,7 @@ def from_config(
         planner=planner,
         overlap_forward=overlap_forward,
         tune=tune,
+        split_weight_grads=split,
     )
     return wrapped
 

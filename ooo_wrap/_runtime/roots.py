@@ -29,6 +29,7 @@ from .backend import Backend, Event, Stream
 from .bypass import eager_bypass_reason
 from .inflight import RootCall, StageRuntime, handled_exception, thread_state
 from .stale import drop_stale_calls
+from .wgrad import WeightGradSplit
 
 __all__ = ["RootHooks"]
 
@@ -43,9 +44,15 @@ class RootHooks:
         backend: Backend,
         events: EventLog,
         counters: Counters,
+        device: torch.device | None = None,
     ) -> None:
         self._backend = backend
-        self._device = plan.stages[0].device
+        # A plan with no stage (the weight-gradient split alone) names its device here.
+        if plan.stages:
+            device = plan.stages[0].device
+        if device is None:
+            raise ValueError("a plan with no stage needs its device")
+        self._device: torch.device = device
         self._streams = tuple(streams)
         self._stages = tuple(
             StageRuntime(self, s, self._streams[s.stream], index)
@@ -73,6 +80,9 @@ class RootHooks:
         # once it has chosen the arm.
         self.accumulators: Accumulators | None = None
         self.layout_by_tuner = False
+        # Set by the wrapper: the weight-gradient split of this plan's forwards (wgrad.py),
+        # removed (the layers' classes restored) with these hooks.
+        self.weight_grads: WeightGradSplit | None = None
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         # Reached only when a stage module is copied or pickled apart from its wrapped
@@ -86,7 +96,11 @@ class RootHooks:
 
     def release(self) -> None:
         """Drop the reused frames and events of the stages and the root (its hooks are
-        gone), so that nothing keeps the events or a call's objects."""
+        gone), so that nothing keeps the events or a call's objects; restore the split
+        layers' classes."""
+        if self.weight_grads is not None:
+            self.weight_grads.remove()
+            self.weight_grads = None
         self._root_events = [None] * len(self._streams)
         for stage in self._stages:
             stage.frame = None

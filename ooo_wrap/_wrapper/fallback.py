@@ -7,6 +7,7 @@ or more stages, on one device).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -22,6 +23,7 @@ from .learn import pending_plan
 from .lifecycle import devices
 from .options import WrapOptions
 from .registry import detached, wrapped
+from .split import split_wanted
 
 __all__ = ["UNTOUCHED", "record_fallback", "refuse_nested", "what_to_install"]
 
@@ -70,6 +72,8 @@ def what_to_install(
         usable = [d for d in devices(model) if backend.unsupported_reason(d) is None]
         return pending_plan(options.streams), usable[0]
     the_plan = plan(model, options.streams, stages=options.stages)
+    if len(the_plan.stages) < 2 and split_wanted(model, options, backend):
+        return dataclasses.replace(the_plan, stages=()), None  # the split is the plan
     if len(the_plan.stages) < 2:
         _too_few_stages(model, the_plan)
         return None

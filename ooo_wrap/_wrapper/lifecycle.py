@@ -7,12 +7,12 @@ remove the wrapper's hooks (``_remove`` is the one place they come off):
   eligible training forward returns; the plan learned from it moves the model to
   ``SCHEDULED`` (then ``TUNING`` where it tunes), or to ``STOPPED`` when there is nothing
   to overlap or the plan cannot start.
-- ``SCHEDULED``: the scheduler's hooks (the stages' and the root's).
+- ``SCHEDULED``: the scheduler's hooks (the stages' and the root's), and the split layers'
+  swapped classes where the plan runs with the weight-gradient split (``split.py``).
 - ``TUNING``: the scheduler's hooks and the tuner's two root hooks. The decision moves
   the model to ``SCHEDULED`` (plan kept) or ``STOPPED`` (``measured_slower``); a CUDA
   graph replaying the forward moves it to ``SCHEDULED`` undecided.
-- ``STOPPED``: no hook at all: the model runs plain, still wrapped.
-- ``UNWRAPPED``: final.
+- ``STOPPED``: no hook at all: the model runs plain, still wrapped. ``UNWRAPPED``: final.
 
 From outside: ``replan()`` moves any other phase to ``LEARNING``; ``retune()`` moves
 ``SCHEDULED`` to ``TUNING`` and ``STOPPED`` (with a plan) back to the plan's hooks;
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from .._runtime.variants import scheduler_class
 from .._stats import Counters
 from .learn import Learned, Learner, learned_events, pending_plan, removed_before_learning
 from .options import WrapOptions
+from .split import devices, plan_device, split_alone, split_wanted, start_split
 from .tune import Tuner
 from .tuning import Tuning, slower_why, tuned_event
 
@@ -76,12 +76,6 @@ _PARTS: dict[Phase, tuple[Part, ...]] = {
     Phase.UNWRAPPED: (),
 }
 _ALL: tuple[Part, ...] = ("learner", "scheduler", "tuner")
-
-
-def devices(model: nn.Module) -> list[torch.device]:
-    """The distinct devices of the model's parameters and buffers, in model order."""
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    return list(dict.fromkeys(tensor.device for tensor in tensors))
 
 
 @dataclass(kw_only=True, eq=False)
@@ -166,7 +160,7 @@ class WrapState:
             )
         if self.phase in (Phase.LEARNING, Phase.TUNING):
             return  # the plan is still to be learned, or tuning is underway: it will decide
-        if not self.plan.stages:
+        if not self.plan.stages and not split_wanted(model, self.options, self.backend):
             raise OOOConfigError(
                 "retune() has no plan to measure: this model runs plain because "
                 f"{self._why_plain()}; model.replan() learns a plan again"
@@ -264,18 +258,21 @@ class WrapState:
         elif found is not None:
             for event in learned_events(the_plan):
                 self.log.add(event, level=logging.INFO)
-        if found is not None and found.outcome == "no_parallelism":
+        alone = split_alone(model, the_plan, failure, self.options, self.backend)
+        if alone is not None:
+            the_plan = self.plan = alone  # a chain with the split in force: the split alone
+        elif found is not None and found.outcome == "no_parallelism":
             self._stop(Reason.NO_PARALLELISM, found.no_parallelism_message)
             return
-        if not the_plan.stages or (failure is not None and len(the_plan.stages) < 2):
+        elif not the_plan.stages or (failure is not None and len(the_plan.stages) < 2):
             self._stop(Reason.TOO_FEW_STAGES, "fewer than two stages: nothing to overlap")
             return
         if len(the_plan.devices) > 1:
             self._stop(Reason.MULTI_DEVICE, "stages span several devices")
             return
-        reason = self.backend.unsupported_reason(the_plan.devices[0])
-        if reason is not None:
-            self._stop(reason, f"the stages' device {the_plan.devices[0]} has no side streams")
+        device = plan_device(model, the_plan)
+        if (reason := self.backend.unsupported_reason(device)) is not None:
+            self._stop(reason, f"the stages' device {device} has no side streams")
             return
         try:
             self._schedule(model, the_plan)
@@ -285,24 +282,27 @@ class WrapState:
     def _schedule(self, model: nn.Module, the_plan: Plan) -> None:
         """-> ``SCHEDULED`` with the plan's streams and scheduler, then ``TUNING`` if the
         options tune and the backend can time steps."""
-        backend = self.backend
+        backend, device = self.backend, plan_device(model, the_plan)
         with self._as_before_on_error():
-            streams = [backend.new_stream(the_plan.devices[0]) for _ in range(the_plan.num_streams)]
+            streams = [backend.new_stream(device) for _ in range(the_plan.num_streams)]
             # Picked here, once: the hooks carry no code for the options that are off.
             scheduler_type = scheduler_class(
                 overlap_forward=self.options.overlap_forward,
                 profile_ranges=self.options.profile_ranges,
             )
-            scheduler = scheduler_type(the_plan, streams, backend, self.log, self.counters)
+            scheduler = scheduler_type(the_plan, streams, backend, self.log, self.counters, device)
             self.scheduler = scheduler
             scheduler.install(model, self._hooks["scheduler"])
             scheduler.accumulators = self.accumulators
+            if split_wanted(model, self.options, backend, device):
+                parts = self.options, backend, self.counters, self.log
+                scheduler.weight_grads = start_split(model, scheduler, the_plan, *parts)
             self.plan, self.phase = the_plan, Phase.SCHEDULED
             self._tune(model)
 
     def _tune(self, model: nn.Module) -> None:
         """``SCHEDULED`` -> ``TUNING``, if the options tune and the backend can time steps."""
-        scheduler, device = self.scheduler, self.plan.devices[0]
+        scheduler, device = self.scheduler, plan_device(model, self.plan)
         clock = clock_of(self.backend, device)
         if self.options.tune is False or clock is None or scheduler is None:
             return

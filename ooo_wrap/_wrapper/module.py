@@ -27,8 +27,8 @@ from .._runtime.recompute import install as install_recompute_ordering
 from .._stats import OOOStats
 from .classswap import build_original, wrapped_class
 from .fallback import UNTOUCHED, record_fallback, refuse_nested, what_to_install
-from .lifecycle import WrapState
-from .options import Planner, Tune, WrapOptions
+from .lifecycle import WrapState, devices
+from .options import Planner, SplitWeightGrads, Tune, WrapOptions, check_split_exclude
 from .registry import detached as _detached
 from .registry import wrapped as _wrapped
 from .serialize import new_instance, plain_deepcopy, plain_state, put_in_place, take_markers
@@ -85,6 +85,18 @@ class OOOModule(nn.Module):
         gpu: the reference GPU the ``dataflow`` planner estimates on: an
             ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (the GPU kit writes one
             measured on its device); ``None`` for the H200 datasheet figures.
+        split_weight_grads: out-of-order weight gradients: each ``nn.Linear`` and
+            ``nn.Conv1d/2d/3d`` call (and layer types added with
+            ``ooo_wrap.register_split_layer``) computes its weight gradient on a
+            weight-gradient stream, so the next layer's input gradient overlaps it; this
+            works on chains, where stages find nothing to overlap (a chain's plan is then
+            the split alone). ``True``: in every planned forward (with ``tune=False``,
+            always); ``"auto"`` (the default): only while measured tuning races the plan
+            against plain, and kept only if the plan is kept (with tuning off, never);
+            ``False``: never. Layers' classes are swapped only while the split is raced
+            or kept, and restored by ``unwrap()``. See docs/weight-gradients.md.
+        split_weight_grads_exclude: dotted names of sub-modules whose layers are never
+            split.
 
     Returns:
         ``model`` itself, wrapped or untouched.
@@ -95,7 +107,9 @@ class OOOModule(nn.Module):
             positive int, ``profile_ranges`` or ``overlap_forward`` is not a bool,
             ``tune`` is not a bool or ``"auto"``, ``tune=True`` on a backend that cannot
             time steps, ``tune_steps`` is below 2, ``backend`` is not a backend, ``gpu``
-            is neither a ``ReferenceGPU`` nor a readable path to one's JSON, or the
+            is neither a ``ReferenceGPU`` nor a readable path to one's JSON,
+            ``split_weight_grads`` is not a bool or ``"auto"``,
+            ``split_weight_grads_exclude`` names no sub-module, or the
             stage names are empty, unknown, repeated, the root, a container or nested
             (see :func:`ooo_wrap.plan`).
 
@@ -119,6 +133,8 @@ class OOOModule(nn.Module):
         tune: Tune = "auto",
         tune_steps: int = 6,
         gpu: GPULike | None = None,
+        split_weight_grads: SplitWeightGrads = "auto",
+        split_weight_grads_exclude: Sequence[str] = (),
     ) -> Any:
         if cls is not OOOModule:  # OOO<Cls> has its own __new__ (classswap.py)
             return super().__new__(cls)
@@ -132,6 +148,8 @@ class OOOModule(nn.Module):
             tune,
             tune_steps,
             as_reference_gpu(gpu),
+            split_weight_grads,
+            split_weight_grads_exclude,
         )
         return _wrap(model, options)
 
@@ -278,6 +296,7 @@ def _wrap(model: object, options: WrapOptions) -> nn.Module:
             "to wrap it again with other options"
         )
     refuse_nested(model)
+    check_split_exclude(model, options.split_weight_grads_exclude)
     if isinstance(model, DistributedDataParallel):
         # Wrapping inside DDP keeps stage names, ooo_stage_names and the plan the model's
         # own (no "module." prefix) and is the order tested on every DDP mode; one order
@@ -338,7 +357,9 @@ def _install(
         _detached[model] = log.snapshot()
         warn_user(f"ooo_wrap: {event.message}")
         return model
-    if learn_on is None:
+    if learn_on is None and not the_plan.stages:
+        what = f"the weight-gradient split alone ({devices(model)[0]}"
+    elif learn_on is None:
         what = (
             f"{plural(len(the_plan.stages), 'stage')} on "
             f"{plural(the_plan.num_streams, 'side stream')} ({the_plan.devices[0]}"

@@ -6,17 +6,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from torch import nn
 from typing_extensions import get_protocol_members
 
-from .._errors import OOOConfigError
+from .._errors import OOOConfigError, did_you_mean
 from .._plan import as_stage_names, check_streams
 from .._planner.cost import ReferenceGPU, as_reference_gpu
 from .._runtime.backend import Backend
 
-__all__ = ["PLANNERS", "Planner", "Tune", "WrapOptions", "check_backend", "check_planner"]
+__all__ = [
+    "PLANNERS",
+    "Planner",
+    "SplitWeightGrads",
+    "Tune",
+    "WrapOptions",
+    "check_backend",
+    "check_planner",
+    "check_split_exclude",
+    "check_split_weight_grads",
+]
 
 Planner = Literal["dataflow", "static"]
 Tune = bool | Literal["auto"]
+SplitWeightGrads = bool | Literal["auto"]
 PLANNERS: tuple[Planner, ...] = ("dataflow", "static")
 
 
@@ -45,6 +57,12 @@ class WrapOptions:
         tune_steps: counted steps per arm before tuning first decides, at least 2.
         gpu: the reference GPU the planner estimates on (a measured one, from the GPU
             kit); ``None`` for the default, the H200 datasheet figures.
+        split_weight_grads: run each ``nn.Linear`` / ``nn.ConvNd`` layer's weight
+            gradient on a weight-gradient stream: ``True`` in every planned forward,
+            ``"auto"`` only where tuning races it (kept only if measured faster),
+            ``False`` never.
+        split_weight_grads_exclude: dotted names of sub-modules whose layers are never
+            split (each layer below a name is left alone).
     """
 
     streams: int = 4
@@ -56,8 +74,13 @@ class WrapOptions:
     tune: Tune = "auto"
     tune_steps: int = 6
     gpu: ReferenceGPU | None = None
+    split_weight_grads: SplitWeightGrads = "auto"
+    split_weight_grads_exclude: Sequence[str] = ()
 
     def __post_init__(self) -> None:
+        check_split_weight_grads(self.split_weight_grads, "split_weight_grads")
+        exclude = as_stage_names(self.split_weight_grads_exclude, "split_weight_grads_exclude=")
+        object.__setattr__(self, "split_weight_grads_exclude", tuple(exclude))
         check_streams(self.streams)
         object.__setattr__(self, "gpu", as_reference_gpu(self.gpu))
         if self.stages is not None:
@@ -114,3 +137,29 @@ def check_backend(backend: object) -> None:
             f"ooo_wrap.testing.SimulatedBackend()), got {backend!r} of type "
             f"{type(backend).__name__}, which lacks {', '.join(missing)}"
         )
+
+
+def check_split_weight_grads(value: object, where: str) -> SplitWeightGrads:
+    """Return ``value`` if it is ``True``, ``False`` or ``"auto"``, else raise
+    :class:`OOOConfigError` naming ``where``."""
+    if isinstance(value, bool):
+        return value
+    if value == "auto" and isinstance(value, str):
+        return "auto"
+    raise OOOConfigError(
+        f"{where} must be True, False or 'auto', got {value!r}; 'auto' (the default) races "
+        "the weight-gradient split where tuning measures the plan, True splits every "
+        "nn.Linear / nn.ConvNd weight gradient in each planned forward, False never"
+    )
+
+
+def check_split_exclude(model: nn.Module, names: Sequence[str]) -> None:
+    """Raise :class:`OOOConfigError` for a name in ``names`` that is no sub-module."""
+    known = {name for name, _ in model.named_modules() if name}
+    for name in names:
+        if name not in known:
+            raise OOOConfigError(
+                f"split_weight_grads_exclude names {name!r}, which is no sub-module of this "
+                f"{type(model).__name__}{did_you_mean(name, sorted(known))}; use the dotted "
+                "names of model.named_modules()"
+            )

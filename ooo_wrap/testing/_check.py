@@ -20,7 +20,7 @@ from .._planner.cost import H200, GPULike, as_reference_gpu
 from .._planner.learned_plan import learned_of
 from .._tensors import map_leaves, named_tensors
 from .._wrapper.module import OOOModule
-from .._wrapper.options import Planner
+from .._wrapper.options import Planner, SplitWeightGrads
 from .._wrapper.registry import events_for, runs_plain
 from ._detect import DetectingBackend, detect
 from ._detection import Detection
@@ -48,6 +48,7 @@ def check(
     overlap_forward: bool = False,
     capture: bool = False,
     gpu: GPULike | None = None,
+    split_weight_grads: SplitWeightGrads = "auto",
 ) -> CheckReport:
     """Train a copy of ``model`` on virtual streams and report every stream race.
 
@@ -83,6 +84,9 @@ def check(
         gpu: the reference GPU of the estimates (the wrapper's planner, each op's cost,
             the report's timeline): an ``ooo_wrap.ReferenceGPU`` or the path of one's
             JSON, such as the GPU kit measures; ``None`` for the H200 datasheet figures.
+        split_weight_grads: as for :class:`~ooo_wrap.OOOModule`; ``True`` checks every
+            split layer's weight gradient on the weight-gradient stream (the checker does
+            not tune, so ``"auto"``, the default, leaves it off).
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
@@ -129,6 +133,7 @@ def check(
         planner=planner,
         overlap_forward=overlap_forward,
         gpu=measured,
+        split_weight_grads=split_weight_grads,
     )
     plain = copy.deepcopy(model)
     wrapped_inputs, plain_inputs = _fresh((inputs, kwargs)), _fresh((inputs, kwargs))

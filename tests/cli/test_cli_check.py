@@ -154,3 +154,16 @@ def test_the_doc_race_checks_pass() -> None:
     for command in commands:
         result = run_cli(*command.argv)
         assert (result.status, result.err) == (0, ""), (command.argv, result.err)
+
+
+def test_split_weight_grads_on_checks_a_chain_that_otherwise_runs_plain() -> None:
+    argv = ["check", "tests.support.cli_factories:chain", "--input", "2x4"]
+    off, auto = run_cli(*argv, "--split-weight-grads", "off"), run_cli(*argv)
+    for result in (off, auto):
+        assert result.status == 1 and "NOT CHECKED" in result.out, result.out
+    on = run_cli(*argv, "--split-weight-grads", "on", "--steps", "3")
+    assert (on.status, on.err) == (0, ""), on.out
+    assert on.out.startswith("ooo_wrap check: OK (3 steps; 0 races")
+    assert "weight-gradient stream" in on.out
+    bad = run_cli(*argv, "--split-weight-grads", "yes")
+    assert bad.status == 2 and "--split-weight-grads" in bad.err

@@ -20,7 +20,13 @@ from tests.support.cli_factories import TokensAndFeatures
 from tests.support.cli_helpers import run_cli
 
 REAL_CHECK = ooo_wrap.testing.check
-DEFAULTS = {"overlap_forward": False, "capture": False, "example_kwargs": None, "gpu": None}
+DEFAULTS = {
+    "overlap_forward": False,
+    "capture": False,
+    "example_kwargs": None,
+    "gpu": None,
+    "split_weight_grads": "auto",
+}
 
 
 class FakeReport:
@@ -155,3 +161,11 @@ def test_default_int_high() -> None:
     assert default_int_high(TokensAndFeatures()) == 20
     assert default_int_high(transformer.build_model()) == transformer.VOCAB
     assert default_int_high(quickstart.build_model()) == 2
+
+
+def test_check_passes_split_weight_grads(fake_check: FakeCheck) -> None:
+    argv = ["check", "examples.quickstart:build_model", "--input", "8x64"]
+    for value in ("on", "off", "auto"):
+        run_cli(*argv, "--split-weight-grads", value)
+    passed = [call[2]["split_weight_grads"] for call in fake_check.calls]
+    assert passed == [True, False, "auto"]

@@ -123,6 +123,8 @@ def test_measure_point_on_cpu_with_virtual_streams(dtype: Any) -> None:
         "joins": 6,
         "bypasses": 0,
         "failures": 0,
+        "split_layer_calls": 0,  # no tuning here, so no weight-gradient split by default
+        "split_step_asides": 0,
     }
     assert record["memory_ratio"] is None and record["reserved_ratio"] is None
     assert wrapped["final_loss"] == record["plain"]["final_loss"]  # same math on the CPU

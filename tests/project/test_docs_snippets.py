@@ -221,6 +221,9 @@ def test_the_docs_run_their_snippets_where_they_say() -> None:
         "Accelerate",
         "Lightning",
     ]
+    assert found.pop("weight-gradients.md") == [
+        "Using with your own layer types: a registered rule"
+    ]
     # The other pages' python blocks are fragments (``model``, ``x`` stand for yours).
     assert found and all(headings == [] for headings in found.values()), found
 

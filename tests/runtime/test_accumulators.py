@@ -92,7 +92,12 @@ def test_tuning_steps_accumulate_where_they_run_plain_on_the_caller_planned_on_t
     backend = DetectingBackend(step_time=lambda calls: 1.0)
     with detect(backend) as found:
         model = ooo_wrap.OOOModule(
-            make_two_towers(), backend=backend, stages=STAGES, planner="dataflow", tune=True
+            make_two_towers(),
+            backend=backend,
+            stages=STAGES,
+            planner="dataflow",
+            tune=True,
+            split_weight_grads=False,  # the stages' own streams (the split's: test_wgrad.py)
         )
         found.keep_alive(model)
         steps = _keep_loss_loop(model, 7)

@@ -51,6 +51,9 @@ def wrap(
     step_time: StepTime | None, *, planner: str = "static", **options: object
 ) -> tuple[nn.Module, SimulatedBackend]:
     backend = SimulatedBackend(step_time=step_time, keep_all=True)
+    # These tests time stage plans; the weight-gradient split, which tuning races too by
+    # default, is timed in tests/runtime/test_wgrad.py.
+    options.setdefault("split_weight_grads", False)
     model = ooo_wrap.OOOModule(
         make_two_towers(),
         backend=backend,
@@ -346,7 +349,8 @@ def test_retune_without_a_plan_says_so() -> None:
             out: torch.Tensor = self.b(self.a(x))
             return out
 
-    model = ooo_wrap.OOOModule(Chain(), backend=SimulatedBackend(step_time=slow_plan_ms))
+    backend = SimulatedBackend(step_time=slow_plan_ms)
+    model = ooo_wrap.OOOModule(Chain(), backend=backend, split_weight_grads=False)
     model(torch.randn(2, 4)).sum().backward()  # learns no_parallelism
     with pytest.raises(OOOConfigError, match="no plan to measure"):
         model.retune()
@@ -547,8 +551,9 @@ def test_two_models_in_one_loop_tune_one_at_a_time() -> None:
     # One backend for both: a step of either holds the calls of both. Model a's plan saves
     # 1 ms of the step, b's 3 ms; while one tunes the other runs its plan.
     backend = SimulatedBackend(step_time=lambda calls: 10.0 - gain(calls))
-    a = ooo_wrap.OOOModule(make_two_towers(), backend=backend, stages=STAGES, planner="static")
-    b = ooo_wrap.OOOModule(make_two_towers(), backend=backend, stages=STAGES, planner="static")
+    options = {"backend": backend, "stages": STAGES, "planner": "static"}
+    a = ooo_wrap.OOOModule(make_two_towers(), split_weight_grads=False, **options)  # type: ignore[arg-type]
+    b = ooo_wrap.OOOModule(make_two_towers(), split_weight_grads=False, **options)  # type: ignore[arg-type]
     a_streams = {1, 2}
 
     def gain(calls: Sequence[StreamCall]) -> float:

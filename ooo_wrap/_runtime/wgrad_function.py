@@ -1,0 +1,199 @@
+"""The autograd side of the weight-gradient split: the pass-through node and the split
+node of one layer call, and their synchronization points.
+
+The numbered steps are those of the protocol in ``wgrad.py``; each synchronization point is
+one small function, so that a mutation test can remove exactly one and show that the race
+checker catches it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from .backend import Backend, Stream
+from .wgrad_layers import SplitRule
+
+__all__ = ["SplitState", "run_split"]
+
+
+class SplitState(Protocol):
+    """What a split node needs of its model's split (``wgrad.WeightGradSplit``)."""
+
+    backend: Backend
+
+    def step_aside(self, reason: str) -> None: ...
+
+    def bound_lag(self, device: torch.device, ambient: Stream) -> None: ...
+
+    def dw_launched(self, device: torch.device, stream: Stream) -> None: ...
+
+
+def run_split(
+    split: SplitState,
+    rule: SplitRule,
+    layer: nn.Module,
+    stream: Stream,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+) -> Tensor:
+    """One split layer call (steps 1 and 2) on the current stream ``A``; ``stream`` is ``W``."""
+    backend, device = split.backend, weight.device
+    ambient = backend.current_stream(device)
+    dtype = (
+        torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    )
+    # 1. The pass-through node (and autocast's casts) made on W.
+    backend.set_stream(_handoff_stream(stream, ambient))
+    try:
+        if bias is None:
+            handed_w, handed_b = _apply(_Handoff, weight), None
+        else:
+            handed_w, handed_b = _apply(_Handoff, weight, bias)
+        if dtype is not None:
+            handed_w = _autocast(handed_w, dtype)
+            handed_b = None if handed_b is None else _autocast(handed_b, dtype)
+    finally:
+        backend.set_stream(ambient)
+    if dtype is not None:
+        x = _autocast(x, dtype)
+    # 2. The split node, made on A.
+    out: Tensor = _apply(_Split, split, rule, layer, stream, x, handed_w, handed_b)
+    return out
+
+
+# The synchronization points, one function each (the mutation tests remove each one and
+# show the race checker catches it).
+
+
+def _handoff_stream(stream: Stream, ambient: Stream) -> Stream:
+    """1. The stream the pass-through node is made on: the weight-gradient stream."""
+    return stream
+
+
+def _protect(backend: Backend, tensors: Iterable[Tensor], stream: Stream) -> None:
+    """3. ``record_stream(W)`` for each tensor ``W`` reads in backward."""
+    for tensor in tensors:
+        backend.record_stream(tensor, stream)
+
+
+def _order_after(backend: Backend, stream: Stream, ambient: Stream) -> None:
+    """3. ``W`` waits on an event recorded on ``A`` now (the output gradient is ready)."""
+    backend.wait_event(stream, backend.record_event(ambient))
+
+
+def _apply(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function.apply(*args)`` (untyped in torch)."""
+    return function.apply(*args)  # type: ignore[no-untyped-call]
+
+
+def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as autocast casts the arguments of a lower-precision op (``cached_cast``:
+    floating point but not double, cast if its dtype differs)."""
+    if t.is_floating_point() and t.dtype not in (torch.float64, dtype):
+        return t.to(dtype)
+    return t
+
+
+class _Handoff(torch.autograd.Function):
+    """The pass-through node of step 1: hands the parameters' gradients on from ``W``."""
+
+    @staticmethod
+    def forward(ctx: Any, *params: Tensor) -> Any:
+        views = tuple(p.view_as(p) for p in params)
+        return views[0] if len(views) == 1 else views
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        return grads[0] if len(grads) == 1 else grads
+
+
+class _Split(torch.autograd.Function):
+    """One split layer call: the stock forward; dI on its own stream, dW on ``W``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        split: SplitState,
+        rule: SplitRule,
+        layer: nn.Module,
+        stream: Stream,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+    ) -> Tensor:
+        ctx.split, ctx.rule, ctx.stream = split, rule, stream
+        ctx.layer = weakref.ref(layer)
+        # What the engine checks dW and db against: the tensors handed in (cast, under
+        # autocast, as the cast's own node then converts on W).
+        ctx.bias_like = None if bias is None else _Like.of(bias)
+        ctx.save_for_backward(x, weight)
+        return rule.forward(layer, x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        split: SplitState = ctx.split
+        rule: SplitRule = ctx.rule
+        layer = ctx.layer()
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[4:7]
+        none = (None, None, None, None)
+        if layer is None:
+            raise RuntimeError("ooo_wrap: a split layer was freed before its backward ran")
+        if torch.is_grad_enabled():
+            # create_graph=True: differentiable and inline, so double backward is stock.
+            split.step_aside("create_graph")
+            inline_dx = rule.input_grad(layer, grad, x, weight) if need_x else None
+            inline_dw, inline_db = rule.weight_grads(layer, grad, x, weight, need_b)
+            return (*none, inline_dx, inline_dw if need_w else None, inline_db)
+        backend, stream = split.backend, ctx.stream
+        ambient = backend.current_stream(weight.device)
+        if need_w or need_b:
+            # 3. W reads grad and the saved tensors: keep their blocks from A's reuse,
+            # then order W after everything queued on A so far (grad is ready there).
+            _protect(backend, (grad, x, weight), stream)
+            _order_after(backend, stream, ambient)
+        if need_w or need_b:
+            split.bound_lag(weight.device, ambient)
+        # 4. dI on A, on the critical path; then dW (and db) on W.
+        dx = rule.input_grad(layer, grad, x, weight) if need_x else None
+        dw: Tensor | None = None
+        db: Tensor | None = None
+        if need_w or need_b:
+            backend.set_stream(stream)
+            try:
+                w_grad, b_grad = rule.weight_grads(layer, grad, x, weight, need_b)
+                dw = _like(w_grad, _Like.of(weight)) if need_w else None
+                db = _like(b_grad, ctx.bias_like) if need_b and b_grad is not None else None
+                split.dw_launched(weight.device, stream)
+            finally:
+                backend.set_stream(ambient)
+        # 5. The engine hands dW to the pass-through node, on W.
+        return (*none, dx, dw, db)
+
+
+class _Like(NamedTuple):
+    """The dtype and strides a gradient must have (those of the tensor handed in)."""
+
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: Tensor) -> _Like:
+        return cls(t.dtype, t.stride())
+
+
+def _like(grad: Tensor, like: _Like) -> Tensor:
+    """``grad`` in ``like``'s dtype and strides, converted on the current stream (``W``):
+    the engine would otherwise convert it on the layer's stream, unordered with ``W``."""
+    if grad.dtype != like.dtype:
+        grad = grad.to(like.dtype)
+    if grad.stride() != like.stride:
+        out = torch.empty_strided(grad.shape, like.stride, dtype=grad.dtype, device=grad.device)
+        grad = out.copy_(grad)
+    return grad

@@ -1,0 +1,113 @@
+"""The race checker proves the weight-gradient split (``split_weight_grads``): clean on the
+models of the parity tests, eagerly and under a simulated graph capture, with
+accumulators held from before the first forward (as ``DistributedDataParallel`` holds
+them); and each of its synchronization points, removed, is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+import ooo_wrap
+import ooo_wrap._runtime.wgrad_function as wgrad
+from ooo_wrap.testing import CheckReport, DetectingBackend, check, detect
+from ooo_wrap.testing._engine import EngineModel
+from tests.runtime.test_wgrad import MLP, MODELS, mlp_input
+
+
+def backward_ops_off_the_caller(report: CheckReport) -> set[str]:
+    """The streams other than the caller's that ran backward ops (the weight gradients:
+    these plans have no stage)."""
+    return {op.stream for op in report.trace if op.phase == "backward" and op.stream_index != 0}
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_split_checks_clean(name: str, capture: bool) -> None:
+    make, data = MODELS[name]
+    torch.manual_seed(0)
+    report = check(make(), data(), split_weight_grads=True, steps=3, capture=capture)
+    assert report.not_checked is None
+    assert report.races == () and report.allocator_hazards == ()
+    assert report.ok  # parity bitwise too
+    assert len(backward_ops_off_the_caller(report)) == 1  # the weight-gradient stream
+
+
+def test_accumulators_held_from_before_the_first_forward() -> None:
+    # As DDP does: each parameter's AccumulateGrad is made (on the caller's stream) and
+    # held before the first forward, so the pass-through node is not its first use.
+    torch.manual_seed(0)
+    backend = DetectingBackend()
+    with detect(backend) as found:
+        model = ooo_wrap.OOOModule(MLP(), backend=backend, split_weight_grads=True, tune=False)
+        found.keep_alive(model)
+        held = [get_gradient_edge(p).node for p in model.parameters()]
+        x = mlp_input()
+        for _ in range(3):
+            model(x).square().mean().backward()
+            found.keep_alive(*(p.grad for p in model.parameters() if p.grad is not None))
+            with found.phase("step"), torch.no_grad():
+                for p in model.parameters():
+                    assert p.grad is not None
+                    p.sub_(p.grad, alpha=0.1)
+                    p.grad = None
+    assert model.stats.split_layer_calls == 6
+    assert found.ok, (found.races, found.allocator_hazards)
+    assert all(
+        get_gradient_edge(p).node is node for p, node in zip(model.parameters(), held, strict=True)
+    )
+    # The held accumulators run on the caller's stream, handed dW from the weight stream.
+    assert {(m.producer.id, m.accumulator.id) for m in found.accumulator_mismatches} == {(1, 0)}
+
+
+def checked_mlp() -> CheckReport:
+    torch.manual_seed(0)
+    return check(MLP(), mlp_input(), split_weight_grads=True, steps=2)
+
+
+def test_without_the_event_wait_the_weight_gradient_races(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wgrad, "_order_after", lambda backend, stream, ambient: None)
+    report = checked_mlp()
+    assert report.races
+    assert all(race.later.stream != "default" for race in report.races[:1])
+
+
+def test_with_the_pass_through_on_the_callers_stream_the_accumulation_races(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wgrad, "_handoff_stream", lambda stream, ambient: ambient)
+    report = checked_mlp()
+    assert report.races
+
+
+def test_without_record_stream_the_allocator_may_reuse_what_dw_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wgrad, "_protect", lambda backend, tensors, stream: None)
+    report = checked_mlp()
+    assert report.allocator_hazards and not report.races
+
+
+def test_without_the_end_of_backward_join_the_step_reads_unfinished_grads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The engine's own wait of the caller's stream on leaf streams is what orders .grad,
+    # accumulated on the weight-gradient stream, before the optimizer reads it.
+    original = EngineModel._end
+
+    def end_without_leaf_waits(self: EngineModel, frame: object) -> None:
+        frame.leaf_streams = set()  # type: ignore[attr-defined]
+        frame.unrun = {}  # type: ignore[attr-defined]
+        original(self, frame)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EngineModel, "_end", end_without_leaf_waits)
+    report = checked_mlp()
+    assert any(race.later.phase == "step" for race in report.races)
+
+
+def test_the_split_off_checks_what_it_did_before() -> None:
+    torch.manual_seed(0)
+    report = check(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(2, 4))
+    assert report.not_checked is not None and "no_parallelism" in report.not_checked
