@@ -87,6 +87,7 @@ from .inflight import (
     pair_tied_stages,
     thread_state,
 )
+from .recompute import record_leaf_grads
 from .roots import RootHooks
 from .stale import running
 
@@ -186,6 +187,10 @@ class Scheduler(RootHooks):
                 except RuntimeError:
                     _record_storage(backend, tensor, stream)
                 recorded += 1
+        if not calls and recomputing is None:
+            # Outside any forward, maybe a reentrant checkpoint recomputing in its node:
+            # the gradients it returns are made on s (recompute.py).
+            record_leaf_grads(inputs, backend, ambient)
         frame = stage.frame
         if frame is None:
             frame = stage.frame = Frame(stage, module)

@@ -286,3 +286,27 @@ def test_results_of_autograd_grad_are_ordered_before_the_caller_reads_them() -> 
         found.keep_alive(grad)  # a gradient kept, as .grad is
         host_read(grad)
     assert found.ok, (found.races, found.allocator_hazards)
+
+
+def test_a_reentrant_checkpoints_nested_root_gradient_is_recorded_to_the_roots_stream() -> None:
+    # CheckpointFunction.backward recomputes on a side stream, then runs backward from
+    # the recomputed output: the engine record_streams the root gradient (made on the
+    # node's stream) to the root's stream, whose node the recomputation's last op made
+    # just before backward starts.
+    weight = torch.randn(4, 4, requires_grad=True)
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        h = h * 2  # on the node's stream: h's own gradient stays there
+        _fork(found, h)
+        y = h @ weight
+        _join(found, y)
+        return y
+
+    with detect(keep_alive=[weight]) as found:
+        x = torch.randn(2, 4, requires_grad=True)
+        out = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=True)
+        (out * 2).sum().backward()
+        assert weight.grad is not None
+        found.keep_alive(weight.grad)
+    assert found.ok, (found.races, found.allocator_hazards)
+
