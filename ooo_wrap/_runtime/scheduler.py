@@ -322,9 +322,15 @@ _MODULE_STATE = frozenset(vars(nn.Module()))
 
 
 def _list_attributes(stage: StageRuntime, attributes: dict[str, Any]) -> None:
-    """List the module's own attributes (``stage.attributes``), off the hot path: only when
-    the module's ``__dict__`` changed size."""
-    stage.attributes = tuple(name for name in attributes if name not in _MODULE_STATE)
+    """List the module's own attributes that hold a tensor or ``None`` (``self.last =
+    None`` in ``__init__``), off the hot path: only when the module's ``__dict__`` changed
+    size. An attribute holding something else then (a size, a flag) is not looked at on
+    each call: a tensor assigned to it later is missed (``check()`` reports that)."""
+    stage.attributes = tuple(
+        name
+        for name, value in attributes.items()
+        if name not in _MODULE_STATE and (value is None or isinstance(value, Tensor))
+    )
     stage.attributes_seen = len(attributes)
 
 
