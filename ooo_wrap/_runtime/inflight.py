@@ -62,6 +62,8 @@ class StageRuntime:
     """A planned stage bound to its stream object."""
 
     __slots__ = (
+        "attributes",
+        "attributes_seen",
         "device",
         "device_type",
         "frame",
@@ -92,6 +94,11 @@ class StageRuntime:
         # here, not per thread, so that it goes with the stage: a dropped model is freed
         # whichever threads ran it.
         self.frame: Frame | None = None
+        # The names of the module's own attributes that may hold a tensor it stores
+        # instead of returning (``self.last = y``), and the size of its ``__dict__`` when
+        # they were listed (a new attribute lists them again); see scheduler.py, step 4.
+        self.attributes: tuple[str, ...] = ()
+        self.attributes_seen = -1
 
 
 class Frame:

@@ -22,19 +22,36 @@ runs inside the unpack hook (these are not steps of the per-stage-call protocol 
 
 Nothing here depends on the plan: wherever the forward's nodes and the recomputation ran,
 each reader waits and records. Where no stage runs, the checkpoint's hook runs unchanged.
+
+Reentrant ``torch.utils.checkpoint`` (``CheckpointFunction.backward``) recomputes inside
+its own node, on that node's stream ``r``, from inputs it detaches into fresh leaves, runs
+a nested ``backward()`` and returns each leaf's ``.grad`` to the engine as the node's
+gradient. A stage called there (steps 1-5 again) forks onto ``s``; its backward runs on
+``s``, and a leaf it reads first gets its ``AccumulateGrad`` on ``s``, which steals the
+gradient made there: ``.grad`` is a block of ``s``'s pool, which the engine then treats as
+made on ``r`` (the node's stream) and hands on with no ``record_stream``. So:
+
+- *The leaf's gradient is recorded to ``r``.* Each such input leaf gets a
+  post-accumulate-grad hook that calls ``record_stream(r)`` on its ``.grad``: the block is
+  not reused by ``s`` before ``r``'s reads are done. The data is ordered already: the
+  nested backward ends with ``r`` waiting on every leaf stream, ``s`` included.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
-from .._compat import UnpackHook, wrap_checkpoint_unpacks
-from .backend import Backend
+from .._compat import UnpackHook, current_autograd_node, wrap_checkpoint_unpacks
+from .backend import Backend, Stream
 from .inflight import thread_state
 
-__all__ = ["install", "order_unpacked"]
+__all__ = ["install", "order_unpacked", "record_leaf_grads"]
+
+# The leaves given a hook by record_leaf_grads, by id while they live (one hook each).
+_recorded: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def install() -> bool:
@@ -77,3 +94,26 @@ def order_unpacked(tensor: torch.Tensor, ends: list[tuple[Backend, torch.device,
             stream = backend.current_stream(device)
             backend.wait_event(stream, event)
             backend.record_stream(tensor, stream)
+
+
+def record_leaf_grads(inputs: list[torch.Tensor], backend: Backend, ambient: Stream) -> None:
+    """A stage call inside a node's backward (reentrant checkpoint): each input leaf that
+    requires grad gets its ``.grad`` recorded to ``ambient`` once accumulated."""
+    if current_autograd_node() is None or not torch.is_grad_enabled():
+        return  # not recomputing in backward: a direct call keeps .grad, as a parameter does
+    for tensor in inputs:
+        if tensor.requires_grad and tensor.is_leaf and _recorded.get(id(tensor)) is not tensor:
+            _recorded[id(tensor)] = tensor
+            hook = _record_grad(backend, ambient)
+            tensor.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def _record_grad(backend: Backend, stream: Stream) -> Any:
+    """A post-accumulate-grad hook: ``record_stream(stream)`` on the leaf's ``.grad``."""
+
+    def hook(leaf: torch.Tensor) -> None:
+        grad = leaf.grad
+        if grad is not None and grad.layout == torch.strided:
+            backend.record_stream(grad, stream)
+
+    return hook

@@ -14,7 +14,14 @@ from .._events import EventKind, OOOEvent
 from .._reasons import MESSAGES
 from .inflight import StageRuntime
 
-__all__ = ["bypassed", "interrupted", "not_called", "stage_failed", "untracked"]
+__all__ = [
+    "bypassed",
+    "interrupted",
+    "kept_in_attribute",
+    "not_called",
+    "stage_failed",
+    "untracked",
+]
 
 
 def not_called(
@@ -87,6 +94,21 @@ def untracked(stage: StageRuntime, type_name: str) -> OOOEvent:
         "tensors in it get no record_stream, an allocator hazard on a GPU. "
         "Pass tensors in tuples, lists, dicts, dataclasses, objects' own "
         "attributes, or types registered with torch.utils._pytree",
+        stage=stage.name,
+    )
+
+
+def kept_in_attribute(stage: StageRuntime, name: str) -> OOOEvent:
+    """``stage`` holds a tensor in its plain attribute ``name`` (not a parameter or buffer)."""
+    return OOOEvent(
+        EventKind.UNTRACKED,
+        "attribute",
+        f"this stage holds a tensor in self.{name}, maybe a result stored instead of "
+        "returned: the hooks record_stream the tensors in the stage's own plain "
+        "attributes for the caller's stream after each call, but not tensors it stores "
+        "anywhere else (a parent's attribute, a global, a container), which are an "
+        "allocator hazard on a GPU. Return results from forward(), and register "
+        "constants as buffers",
         stage=stage.name,
     )
 

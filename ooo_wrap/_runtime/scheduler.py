@@ -13,8 +13,11 @@ For one stage call, with ``ambient`` the caller's current stream and ``s`` the s
    the engine runs their backward on ``s`` too.
 4. Post-hook, always (even if the stage raised): each output gets
    ``record_stream(ambient)``, since it was allocated on ``s`` and the caller reads it on
-   ``ambient``; an event ``e`` is recorded on ``s``; ``ambient`` is restored and waits on
-   ``e``, so no untracked parent op can read an unfinished stage.
+   ``ambient``; so does each tensor held in a plain attribute of the stage's module,
+   which may be a result stored instead of returned (``self.last = y``; an
+   ``UNTRACKED``/``attribute`` event says so, once); an event ``e`` is recorded on
+   ``s``; ``ambient`` is restored and waits on ``e``, so no untracked parent op can read
+   an unfinished stage.
 5. Root post-hook: the current stream waits on every stage stream used in the call,
    before the output (and the loss) reaches the host.
 
@@ -87,6 +90,7 @@ from .inflight import (
     pair_tied_stages,
     thread_state,
 )
+from .recompute import record_leaf_grads
 from .roots import RootHooks
 from .stale import running
 
@@ -186,6 +190,10 @@ class Scheduler(RootHooks):
                 except RuntimeError:
                     _record_storage(backend, tensor, stream)
                 recorded += 1
+        if not calls and recomputing is None:
+            # Outside any forward, maybe a reentrant checkpoint recomputing in its node:
+            # the gradients it returns are made on s (recompute.py).
+            record_leaf_grads(inputs, backend, ambient)
         frame = stage.frame
         if frame is None:
             frame = stage.frame = Frame(stage, module)
@@ -237,6 +245,18 @@ class Scheduler(RootHooks):
                     outputs, blind = self._search(stage, output, None)
                 device = stage.device
                 recorded = 0
+                attributes = module.__dict__
+                if len(attributes) != stage.attributes_seen:
+                    _list_attributes(stage, attributes)
+                for name in stage.attributes:
+                    kept = attributes.get(name)
+                    if (
+                        isinstance(kept, Tensor)
+                        and kept.device == device
+                        and all(kept is not out for out in outputs)
+                    ):
+                        outputs = [*outputs, kept]  # maybe a result that escapes through it
+                        self._report_kept(stage, name)
                 for tensor in outputs:
                     if tensor.device == device:
                         try:
@@ -283,12 +303,35 @@ class Scheduler(RootHooks):
 
     # --- reports ---------------------------------------------------------------------
 
+    def _report_kept(self, stage: StageRuntime, name: str) -> None:
+        """Record once per (stage, attribute) a tensor held in an attribute of the stage."""
+        if (stage.name, f".{name}") not in self._unseen_reported:
+            self._unseen_reported.add((stage.name, f".{name}"))
+            self._events.add(reports.kept_in_attribute(stage, name), level=logging.INFO)
+
     def _report_unseen(self, stage: StageRuntime, unseen: list[str]) -> None:
         """Record once per (stage, type) an input or output the hooks could not search."""
         for name in unseen:
             if (stage.name, name) not in self._unseen_reported:
                 self._unseen_reported.add((stage.name, name))
                 self._events.add(reports.untracked(stage, name), level=logging.WARNING)
+
+
+# The attributes every module has (its parameters, hooks, ...): never a stored result.
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+
+def _list_attributes(stage: StageRuntime, attributes: dict[str, Any]) -> None:
+    """List the module's own attributes that hold a tensor or ``None`` (``self.last =
+    None`` in ``__init__``), off the hot path: only when the module's ``__dict__`` changed
+    size. An attribute holding something else then (a size, a flag) is not looked at on
+    each call: a tensor assigned to it later is missed (``check()`` reports that)."""
+    stage.attributes = tuple(
+        name
+        for name, value in attributes.items()
+        if name not in _MODULE_STATE and (value is None or isinstance(value, Tensor))
+    )
+    stage.attributes_seen = len(attributes)
 
 
 def _record_storage(backend: Backend, tensor: torch.Tensor, stream: Stream) -> None:

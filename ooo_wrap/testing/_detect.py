@@ -55,6 +55,8 @@ class DetectingBackend(SimulatedBackend):
         self, stream: VirtualStream, event: VirtualEvent | None = None
     ) -> VirtualEvent:
         detection = self._detection
+        if detection is not None:
+            detection.flush_tags()
         if detection is not None and detection.capture is not None:
             detection.capture.use(stream, "an event record")
         event = super().record_event(stream, event)
@@ -75,8 +77,10 @@ class DetectingBackend(SimulatedBackend):
     def record_stream(self, tensor: torch.Tensor, stream: VirtualStream) -> None:
         super().record_stream(tensor, stream)
         key = storage_key(tensor)
-        if self._detection is not None and key is not None:
-            self._detection.tracker.record_stream(key, stream)
+        if self._detection is not None:
+            self._detection.flush_tags()
+            if key is not None:
+                self._detection.tracker.record_stream(key, stream)
 
     def is_capturing(self, stream: VirtualStream) -> bool:
         # As CUDA answers: a stream that joined a capture is capturing too.

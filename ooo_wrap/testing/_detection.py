@@ -133,6 +133,11 @@ class Detection:
         if self._stages:
             self._stages.pop()
 
+    def flush_tags(self) -> None:
+        """Tag the autograd nodes of the last op's outputs now (see ``DetectingBackend``)."""
+        with self._lock:
+            self._engine.flush()
+
     # --- EngineHost -----------------------------------------------------------------
 
     def stream_now(self) -> VirtualStream:

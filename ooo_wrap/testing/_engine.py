@@ -38,6 +38,13 @@ how each point is modelled here:
    counting the stream of every ``AccumulateGrad`` fed a gradient but never run (one
    skipped as not needed, e.g. for a parameter left out of ``inputs=``, counts too: more
    order than the engine gives, only there).
+   A leaf whose ``.grad`` is already set has the new gradient added into it in place
+   (``AccumulateGrad::accumulateGrad`` with grad mode off) on the accumulator's stream,
+   with no ``record_stream``. That is no allocator hazard when ``.grad`` was allocated on
+   the caller's stream: the leaf holds it until the caller drops it, after ``backward()``
+   returned, and the caller's stream has waited on the accumulator's by then, so no reuse
+   from its pool can overtake the write. It is modelled as a ``record_stream`` for the
+   accumulator's stream (races are still checked).
 7. A backward run from inside a node (reentrant checkpoint) is a graph task of its own:
    it ends when that node finishes, whatever order the engine runs its final callbacks in.
 8. Under ``torch.func.grad`` the nodes belong to functorch's wrapper tensors, which the
@@ -55,6 +62,7 @@ the consumer's stream); :data:`CHECKED_TORCH` is the range the model was checked
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -258,6 +266,11 @@ class EngineModel:
         edges: _Edges = tuple(node.next_functions)
         self._handles.append(node.register_prehook(functools.partial(self._pre, edges, tag)))
         self._handles.append(node.register_hook(functools.partial(self._post, edges, tag)))
+        leaf = getattr(node, "variable", None) if node.name() == _ACCUMULATE_GRAD else None
+        if isinstance(leaf, torch.Tensor):
+            # A weak reference: the node holds its leaf, and its hooks must not.
+            into = functools.partial(self._into_grad, weakref.ref(leaf), tag)
+            self._handles.append(node.register_prehook(into))
 
     # --- backward -------------------------------------------------------------------
 
@@ -350,6 +363,22 @@ class EngineModel:
                 first.append((key, consumer))
             slots.add(slot)
         self._window, self._first = window, first
+
+    def _into_grad(
+        self,
+        leaf: weakref.ref[torch.Tensor],
+        tag: NodeTag,
+        grad_outputs: Sequence[torch.Tensor | None],
+    ) -> None:
+        """An accumulator about to add into its leaf's ``.grad`` in place (rule 6)."""
+        tensor = leaf()
+        grad = None if tensor is None else tensor.grad
+        if grad is None or grad.layout != torch.strided or torch.is_grad_enabled():
+            return  # no .grad yet (it takes the gradient), or replaced out of place
+        key = storage_key(grad)
+        tracker = self._host.tracker
+        if key is not None and self._stack and tracker.allocated_on(key) == self._stack[-1].caller:
+            tracker.record_stream(key, tag.stream)
 
     def _apply_waits(self, tag: NodeTag) -> None:
         for snapshot in self._waits.pop(tag.id, ()):

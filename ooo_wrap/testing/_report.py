@@ -138,6 +138,14 @@ class CheckReport:
             lines.append(f"  race: {race}")
         for hazard in self.allocator_hazards:
             lines.append(f"  allocator hazard: {hazard}")
+        if any(_escaped(hazard) for hazard in self.allocator_hazards):
+            lines.append(
+                "  hint: code outside the stages used a tensor a stage made on its side "
+                "stream that did not come back as the stage's return value (stored in "
+                "another module's attribute, a global, a container the stage filled?): "
+                "the hooks record_stream only what a stage returns and tensors in its "
+                "own attributes; return it from the stage's forward()"
+            )
         for entry in self.parity:
             if not entry.exact:
                 lines.append(f"  parity: {entry.name} differs by {entry.max_abs_diff:g}")
@@ -311,4 +319,16 @@ def count_ops(records: Sequence[OpRecord]) -> tuple[StreamOps, ...]:
             counts[(index, name, "step")],
         )
         for index, name in streams
+    )
+
+
+def _escaped(hazard: AllocatorHazard) -> bool:
+    """Whether ``hazard`` is a forward use, outside any stage, of a tensor a stage's side
+    stream allocated: what reaches the caller without passing the stage's post-hook."""
+    access = hazard.access
+    return (
+        access.phase == "forward"
+        and access.stage is None
+        and hazard.allocated_on != access.stream
+        and hazard.allocated_on != "default"
     )

@@ -205,6 +205,11 @@ class StreamTracker:
         """A fresh block for ``storage`` on ``stream``: forget what its address held before."""
         self._storages[storage] = _StorageState(allocated_on=stream)
 
+    def allocated_on(self, storage: StorageId) -> StreamId:
+        """The stream whose pool ``storage``'s block belongs to."""
+        state = self._storages.get(storage)
+        return self._origin if state is None else state.allocated_on
+
     def forget(self, storage: StorageId) -> None:
         """``storage`` was freed: its address holds nothing until something allocates it."""
         self._storages.pop(storage, None)

@@ -286,3 +286,68 @@ def test_results_of_autograd_grad_are_ordered_before_the_caller_reads_them() -> 
         found.keep_alive(grad)  # a gradient kept, as .grad is
         host_read(grad)
     assert found.ok, (found.races, found.allocator_hazards)
+
+
+def test_a_reentrant_checkpoints_nested_root_gradient_is_recorded_to_the_roots_stream() -> None:
+    # CheckpointFunction.backward recomputes on a side stream, then runs backward from
+    # the recomputed output: the engine record_streams the root gradient (made on the
+    # node's stream) to the root's stream, whose node the recomputation's last op made
+    # just before backward starts.
+    weight = torch.randn(4, 4, requires_grad=True)
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        h = h * 2  # on the node's stream: h's own gradient stays there
+        _fork(found, h)
+        y = h @ weight
+        _join(found, y)
+        return y
+
+    with detect(keep_alive=[weight]) as found:
+        x = torch.randn(2, 4, requires_grad=True)
+        out = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=True)
+        (out * 2).sum().backward()
+        assert weight.grad is not None
+        found.keep_alive(weight.grad)
+    assert found.ok, (found.races, found.allocator_hazards)
+
+
+class Towers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.right = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.left(x) + self.right(x)
+        return out
+
+
+def test_an_input_grad_kept_across_steps_is_added_into_where_its_accumulator_runs() -> None:
+    # check() does not zero the input's .grad: made on the caller's stream by the step
+    # that learned the plan, the later steps' accumulator (made on a stage's stream)
+    # adds into it in place. The caller's stream waits on that stream before backward()
+    # returns and the leaf holds .grad until then: no reuse can overtake the write.
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    report = check(Towers(), x, stages=["left", "right"], steps=3)
+    assert report.ok, str(report)
+    assert report.ops and {row.stream for row in report.ops} == {"default", "side1", "side2"}
+
+
+def test_a_grad_from_another_streams_pool_added_into_in_place_is_a_hazard() -> None:
+    # The converse: x.grad was made on side1 (its first accumulator ran there); a later
+    # backward adds into it on the caller's stream, which side1 never waits on, so a
+    # reuse of the block from side1's pool after x.grad is dropped could overtake it.
+    with detect() as found:
+        x = torch.randn(4, requires_grad=True)
+        _fork(found, x)
+        y = x * 2
+        _join(found, y)
+        y.sum().backward()
+        del y  # the graph and x's accumulator with it
+        z = x * 3  # a new graph: its accumulator is made on the caller's stream
+        z.sum().backward()
+    assert [str(h.access.stream) for h in found.allocator_hazards] == ["default"], str(
+        found.allocator_hazards
+    )
+    assert found.allocator_hazards[0].allocated_on == "side1"

@@ -431,3 +431,70 @@ def test_recomputed_ops_are_labelled_with_their_stage() -> None:
         if r.phase == "backward" and r.op == "aten.addmm.default"
     }
     assert recomputed == {(name, forward[name]) for name in "abc"}, recomputed
+
+
+class StemAndTowers(nn.Module):
+    """A stem (not a stage) feeding a reentrant-checkpointed tower and a plain one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.left = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.right = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        left: torch.Tensor = checkpoint(self.left, h, use_reentrant=True)
+        return left + self.right(h)
+
+
+class CheckpointedRegion(StemAndTowers):
+    """Both towers inside one reentrant checkpoint."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(self.region, self.stem(x), use_reentrant=True)
+        return out
+
+    def region(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.left(h) * self.right(h)
+        return out
+
+
+@pytest.mark.parametrize("model", [StemAndTowers, CheckpointedRegion], ids=["one", "two"])
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+def test_reentrant_checkpoint_returns_a_gradient_recorded_for_its_nodes_stream(
+    planner: str, model: type[nn.Module]
+) -> None:
+    # CheckpointFunction.backward runs on the caller's stream, recomputes the stages on
+    # their side streams and returns the detached input's .grad, made there by a stage's
+    # backward; the caller's stream then reads it (stem's backward) and drops it.
+    torch.manual_seed(0)
+    for requires_grad in (False, True):
+        x = torch.randn(4, 8, requires_grad=requires_grad)
+        report = check(model(), x, stages=["left", "right"], planner=planner, steps=3)
+        assert report.ok, str(report)
+
+
+def test_without_recording_the_returned_gradient_the_check_finds_the_hazard(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The mutation: the recomputed stage's input leaf gets no hook.
+    monkeypatch.setattr(scheduler_module, "record_leaf_grads", lambda *args: None)
+    torch.manual_seed(0)
+    report = check(
+        StemAndTowers(), torch.randn(4, 8), stages=["left", "right"], planner="static", steps=2
+    )
+    assert [str(h.access) for h in report.allocator_hazards] == [
+        "read by aten.add.Tensor on default (backward) of float32[4, 8]"
+    ], str(report)
+    assert report.allocator_hazards[0].allocated_on == "side1"
+    assert not report.races
+
+
+def test_a_stage_called_in_a_nodes_backward_leaves_a_persistent_leaf_one_hook() -> None:
+    # Outside a reentrant checkpoint (a direct call, no backward running) no hook is added.
+    backend = SimulatedBackend()
+    model = ooo_wrap.OOOModule(StemAndTowers(), streams=2, backend=backend, planner="static")
+    leaf = torch.randn(4, 8, requires_grad=True)
+    model.left(leaf)
+    assert not leaf._post_accumulate_grad_hooks  # type: ignore[attr-defined]

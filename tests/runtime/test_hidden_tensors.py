@@ -17,6 +17,7 @@ from torch import nn
 
 import ooo_wrap
 from ooo_wrap import EventKind
+from ooo_wrap._runtime import scheduler as scheduler_module
 from ooo_wrap._tensors import map_leaves, named_tensors
 from ooo_wrap.testing import SimulatedBackend, check
 
@@ -188,3 +189,87 @@ def test_map_leaves_rebuilds_registered_containers_and_keeps_dict_kinds() -> Non
     assert mapped["q"] == collections.deque([10, 20])
     assert isinstance(mapped["d"], collections.defaultdict) and mapped["d"]["k"] == 30
     assert mapped["d"]["missing"] == []  # the factory kept
+
+
+class Stash(nn.Module):
+    """A stage that keeps its result in an attribute, its own or (``sink``) another
+    object's, and returns None."""
+
+    def __init__(self, sink: types.SimpleNamespace | None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.last: torch.Tensor | None = None
+        self.sink = sink
+
+    def forward(self, x: torch.Tensor) -> None:
+        result = self.lin(x).tanh()
+        if self.sink is not None:
+            self.sink.last = result
+        else:
+            self.last = result
+
+
+class Escape(nn.Module):
+    """Reads the left stage's result from where it kept it."""
+
+    def __init__(self, elsewhere: bool = False) -> None:
+        super().__init__()
+        self.sink = types.SimpleNamespace(last=None) if elsewhere else None
+        self.left = Stash(self.sink)
+        self.right = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.left(x)
+        kept = self.left.last if self.sink is None else self.sink.last
+        assert kept is not None
+        out: torch.Tensor = kept + self.right(x)
+        return out
+
+
+@pytest.mark.parametrize("planner", ["static", "dataflow"])
+def test_a_result_kept_in_the_stages_attribute_is_recorded_for_the_caller(planner: str) -> None:
+    torch.manual_seed(0)
+    report = check(Escape(), torch.randn(4, 8), stages=["left", "right"], planner=planner, steps=3)
+    assert report.ok, str(report)
+    kept = [note for note in report.notes if "untracked/attribute [left]" in note]
+    assert len(kept) == 1 and "self.last" in kept[0], report.notes
+
+
+def test_the_attribute_is_recorded_once_per_call_and_reported_once() -> None:
+    backend = SimulatedBackend()
+    model = ooo_wrap.OOOModule(
+        Escape(), streams=2, backend=backend, stages=["left", "right"], planner="static"
+    )
+    before = model.stats.record_streams
+    for _ in range(2):
+        model(torch.randn(4, 8))
+    # Per call: x to left and to right, right's output, and left's kept result.
+    assert model.stats.record_streams - before == 2 * 4
+    events = [e for e in model.events if e.kind is EventKind.UNTRACKED]
+    assert [(e.reason, e.stage, e.count) for e in events] == [("attribute", "left", 1)]
+
+
+def test_without_recording_the_kept_result_the_check_finds_the_hazard(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The mutation: the stage's attributes are never looked at.
+    def nothing(stage: Any, attributes: dict[str, Any]) -> None:
+        stage.attributes, stage.attributes_seen = (), len(attributes)
+
+    monkeypatch.setattr(scheduler_module, "_list_attributes", nothing)
+    torch.manual_seed(0)
+    report = check(Escape(), torch.randn(4, 8), stages=["left", "right"], planner="static")
+    assert [str(h.access) for h in report.allocator_hazards] == [
+        "read by aten.add.Tensor on default (forward) of float32[4, 8]"
+    ], str(report)
+    assert "hint: code outside the stages used a tensor a stage made" in str(report)
+
+
+def test_a_result_kept_elsewhere_is_reported_with_what_to_do() -> None:
+    # Kept in another object's attribute: no hook sees it.
+    torch.manual_seed(0)
+    report = check(
+        Escape(elsewhere=True), torch.randn(4, 8), stages=["left", "right"], planner="static"
+    )
+    assert not report.ok
+    assert "return it from the stage's forward()" in str(report)
