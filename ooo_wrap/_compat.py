@@ -40,6 +40,7 @@ __all__ = [
     "functorch_transforms_active",
     "is_checkpoint_early_stop",
     "is_compiled_module",
+    "leave_dispatch_mode",
     "modes_set_aside",
     "node_metadata",
     "node_sequence_nr",
@@ -360,3 +361,40 @@ def put_function_mode_under(mode: TorchFunctionMode) -> None:
     _push_on_torch_function_stack(mode)
     for other in reversed(above):
         _push_on_torch_function_stack(other)
+
+
+# --- the thread's dispatch mode stack, below its top -----------------------------------
+
+
+def leave_dispatch_mode(mode: Any) -> bool:
+    """Leave ``mode``, a dispatch mode this thread entered with ``__enter__`` and never left,
+    wherever it is on this thread's stack: modes pushed after it stay where they are.
+    Returns whether it was on this thread's stack (and is now left).
+
+    The dispatch mode of the dataflow planner's observation is entered in a root
+    pre-hook and left in the post-hook; a forward that a ``BaseException`` ended skips the
+    post-hook, and a mode entered since (a user's ``with``) may be above it by the time it
+    is left. ``__exit__`` pops the top of the stack (and restores the flags ``__enter__``
+    saved), so the modes above are set aside with the private ``torch._C`` stack functions
+    ``torch.utils._python_dispatch`` uses (in torch 2.6). Without them only a mode on top
+    is left.
+    """
+    length = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    at = getattr(torch._C, "_get_dispatch_stack_at", None)
+    pop = getattr(torch._C, "_pop_torch_dispatch_stack", None)
+    push = getattr(torch._C, "_push_on_torch_dispatch_stack", None)
+    if length is None or at is None or pop is None or push is None:
+        return False
+    depth = int(length())
+    if not any(at(index) is mode for index in range(depth)):
+        return False
+    above = []  # popped from the top down; ``mode`` is a user mode, below no infra mode
+    while (top := pop(None)) is not mode:
+        above.append(top)
+    push(mode)
+    try:
+        mode.__exit__(None, None, None)
+    finally:
+        for other in reversed(above):
+            push(other)
+    return True
