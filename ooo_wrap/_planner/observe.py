@@ -129,6 +129,7 @@ class _OpenCall:
     items: list[ObservedOp | CallRecord] = field(default_factory=list)
     device_us: float = 0.0
     params: tuple[tuple[int, int], ...] = ()
+    lazy: bool = False  # the module had parameters to initialize when its call began
 
 
 class Observer:
@@ -263,30 +264,31 @@ class Observer:
         def hook(module: nn.Module, args: Any) -> None:
             if not self._mine():
                 return
-            params = self._new_params(module)
-            self._stack.append(_OpenCall(name, self._next_id, params=params))
+            params, lazy = self._new_params(module)
+            self._stack.append(_OpenCall(name, self._next_id, params=params, lazy=lazy))
             self._next_id += 1
 
         return hook
 
-    def _new_params(self, module: nn.Module) -> tuple[tuple[int, int], ...]:
+    def _new_params(self, module: nn.Module) -> tuple[tuple[tuple[int, int], ...], bool]:
         """``(numel, element size)`` of the module's own parameters that take gradients,
-        first seen now. A lazy module's (``nn.LazyLinear``) have no size until its own
-        pre-hook initializes them, after this one: they are counted as its call ends."""
-        params = []
+        first seen now, and whether some are still to be initialized: a lazy module's
+        (``nn.LazyLinear``) have no size until its own pre-hook, after this one,
+        initializes them; they are counted as its call ends."""
+        params, lazy = [], False
         for param in module.parameters(recurse=False):
             if isinstance(param, nn.parameter.UninitializedParameter):
-                continue
-            if param.requires_grad and id(param) not in self._seen_params:
+                lazy = True
+            elif param.requires_grad and id(param) not in self._seen_params:
                 self._seen_params.add(id(param))
                 params.append((param.numel(), param.element_size()))
-        return tuple(params)
+        return tuple(params), lazy
 
     def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._stack or self._over or get_ident() != self._thread:
             return
         done = self._stack.pop()
-        params = done.params + self._new_params(module)
+        params = done.params + self._new_params(module)[0] if done.lazy else done.params
         record = CallRecord(done.name, done.call_id, tuple(done.items), done.device_us, params)
         if self._stack:
             self._stack[-1].items.append(record)
