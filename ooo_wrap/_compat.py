@@ -376,15 +376,16 @@ def leave_dispatch_mode(mode: Any) -> bool:
     post-hook, and a mode entered since (a user's ``with``) may be above it by the time it
     is left. ``__exit__`` pops the top of the stack (and restores the flags ``__enter__``
     saved), so the modes above are set aside with the private ``torch._C`` stack functions
-    ``torch.utils._python_dispatch`` uses (in torch 2.6). Without them only a mode on top
-    is left.
+    ``torch.utils._python_dispatch`` uses (in torch 2.6). Without them, ``__exit__`` pops
+    the top, as the end of a ``with`` block would.
     """
     length = getattr(torch._C, "_len_torch_dispatch_stack", None)
     at = getattr(torch._C, "_get_dispatch_stack_at", None)
     pop = getattr(torch._C, "_pop_torch_dispatch_stack", None)
     push = getattr(torch._C, "_push_on_torch_dispatch_stack", None)
     if length is None or at is None or pop is None or push is None:
-        return False
+        mode.__exit__(None, None, None)
+        return True
     depth = int(length())
     if not any(at(index) is mode for index in range(depth)):
         return False
