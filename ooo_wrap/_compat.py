@@ -64,6 +64,7 @@ __all__ = [
     "is_checkpoint_early_stop",
     "is_compiled_module",
     "is_fsdp_managed",
+    "leave_dispatch_mode",
     "modes_set_aside",
     "module_calls_on_stack",
     "module_calls_visible",
@@ -793,3 +794,41 @@ def thread_target(thread: Any) -> Callable[..., Any] | None:
 def replace_thread_target(thread: Any, target: Callable[..., Any]) -> None:
     """Make ``thread.run`` call ``target`` instead (before it looked its target up)."""
     thread._target = target
+
+
+# --- the thread's dispatch mode stack, below its top -----------------------------------
+
+
+def leave_dispatch_mode(mode: Any) -> bool:
+    """Leave ``mode``, a dispatch mode this thread entered with ``__enter__`` and never left,
+    wherever it is on this thread's stack: modes pushed after it stay where they are.
+    Returns whether it was on this thread's stack (and is now left).
+
+    The dispatch mode of the dataflow planner's observation is entered in a root
+    pre-hook and left in the post-hook; a forward that a ``BaseException`` ended skips the
+    post-hook, and a mode entered since (a user's ``with``) may be above it by the time it
+    is left. ``__exit__`` pops the top of the stack (and restores the flags ``__enter__``
+    saved), so the modes above are set aside with the private ``torch._C`` stack functions
+    ``torch.utils._python_dispatch`` uses (in torch 2.6). Without them, ``__exit__`` pops
+    the top, as the end of a ``with`` block would.
+    """
+    length = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    at = getattr(torch._C, "_get_dispatch_stack_at", None)
+    pop = getattr(torch._C, "_pop_torch_dispatch_stack", None)
+    push = getattr(torch._C, "_push_on_torch_dispatch_stack", None)
+    if length is None or at is None or pop is None or push is None:
+        mode.__exit__(None, None, None)
+        return True
+    depth = int(length())
+    if not any(at(index) is mode for index in range(depth)):
+        return False
+    above = []  # popped from the top down; ``mode`` is a user mode, below no infra mode
+    while (top := pop(None)) is not mode:
+        above.append(top)
+    push(mode)
+    try:
+        mode.__exit__(None, None, None)
+    finally:
+        for other in reversed(above):
+            push(other)
+    return True

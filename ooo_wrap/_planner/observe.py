@@ -13,15 +13,18 @@ stream; the forward runs unchanged, on whatever device the model and inputs are 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from threading import get_ident
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._compat import storage_id
+from .._compat import leave_dispatch_mode, storage_id
 from .._tensors import tensors_in
 from .cost import H200, ReferenceGPU, estimate_op
 from .intercept import OpArgs, OpInterceptor, OpKwargs, OpOverload
@@ -126,6 +129,7 @@ class _OpenCall:
     items: list[ObservedOp | CallRecord] = field(default_factory=list)
     device_us: float = 0.0
     params: tuple[tuple[int, int], ...] = ()
+    lazy: bool = False  # the module had parameters to initialize when its call began
 
 
 class Observer:
@@ -138,7 +142,14 @@ class Observer:
     With ``inside_root=True`` the block is entered from inside the root's own call (a
     forward pre-hook of the model, as the wrapper learns its plan) and left before that
     call returns (from its forward hook): the root's call is opened on entering and closed
-    on leaving, instead of by hooks on the root.
+    on leaving, instead of by hooks on the root. A ``BaseException`` such as
+    ``KeyboardInterrupt`` skips the forward hook, and so the exit: the observer then
+    notices at the next op or module call of its thread that the root's call is over
+    (:attr:`interrupted`), records nothing more and removes its hooks; only ``__exit__``,
+    on that thread, leaves the dispatch mode.
+
+    Only the thread that entered the block is observed: other threads running the same
+    modules meanwhile are not recorded.
 
     Example::
 
@@ -165,6 +176,10 @@ class Observer:
         self._handles: list[RemovableHandle] = []
         self._mode: OpInterceptor | None = None
         self._seen_params: set[int] = set()
+        self._thread = get_ident()  # the thread observed (set again on entering)
+        # inside_root: the root's ``nn.Module`` call frame, while it may still run.
+        self._root_frame: FrameType | None = None
+        self._over = False  # the root's call ended without the exit: record nothing more
 
     @property
     def record(self) -> CallRecord:
@@ -173,7 +188,30 @@ class Observer:
             raise RuntimeError("no forward of the model completed inside the Observer block")
         return self._top[0]
 
+    @property
+    def thread(self) -> int:
+        """The thread observed (``threading.get_ident()``)."""
+        return self._thread
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the root's call (``inside_root``) ended without leaving the block: a
+        ``BaseException`` skipped its forward hook. Another thread than the observed one
+        only learns whether that thread ended."""
+        root = self._root_frame
+        if not self._over and root is not None:
+            if get_ident() == self._thread:
+                over = not _on_stack(root, sys._getframe(1))
+            else:
+                over = self._thread not in sys._current_frames()
+            if over:
+                self._stop()
+        return self._over
+
     def __enter__(self) -> Observer:
+        self._thread = get_ident()
+        if self._inside_root:
+            self._root_frame = _call_frame(self._model)
         for name, module in self._model.named_modules():
             if self._inside_root and module is self._model:
                 continue
@@ -191,37 +229,67 @@ class Observer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Leave the block; from another thread than the observed one (or after the
+        dispatch mode was left already) only the hooks come off."""
         try:
-            if self._inside_root and len(self._stack) == 1:  # the root call, and only it
-                self._post_hook(self._model, (), None)
-            if self._mode is not None:
-                self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            if self._inside_root and len(self._stack) == 1 and not self._over:
+                self._post_hook(self._model, (), None)  # the root call, and only it
+            if self._mode is not None and get_ident() == self._thread:
+                # Left wherever it is on the stack: after an interrupted forward a mode
+                # entered since may be above it.
+                leave_dispatch_mode(self._mode)
+                self._mode = None
         finally:
-            self._mode = None
-            self._remove_hooks()
+            self._stop()
+
+    def _stop(self) -> None:
+        """Record nothing more and remove the hooks (the mode is left by ``__exit__``)."""
+        self._over = True
+        self._root_frame = None  # keeps the interrupted call's locals alive otherwise
+        self._remove_hooks()
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
+    def _mine(self) -> bool:
+        """Whether a module call now belongs to the observed forward: on its thread, and
+        while its root's call runs."""
+        if self._over or get_ident() != self._thread:
+            return False
+        return not self.interrupted
+
     def _pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
-            params = []
-            for param in module.parameters(recurse=False):
-                if param.requires_grad and id(param) not in self._seen_params:
-                    self._seen_params.add(id(param))
-                    params.append((param.numel(), param.element_size()))
-            self._stack.append(_OpenCall(name, self._next_id, params=tuple(params)))
+            if not self._mine():
+                return
+            params, lazy = self._new_params(module)
+            self._stack.append(_OpenCall(name, self._next_id, params=params, lazy=lazy))
             self._next_id += 1
 
         return hook
 
+    def _new_params(self, module: nn.Module) -> tuple[tuple[tuple[int, int], ...], bool]:
+        """``(numel, element size)`` of the module's own parameters that take gradients,
+        first seen now, and whether some are still to be initialized: a lazy module's
+        (``nn.LazyLinear``) have no size until its own pre-hook, after this one,
+        initializes them; they are counted as its call ends."""
+        params, lazy = [], False
+        for param in module.parameters(recurse=False):
+            if isinstance(param, nn.parameter.UninitializedParameter):
+                lazy = True
+            elif param.requires_grad and id(param) not in self._seen_params:
+                self._seen_params.add(id(param))
+                params.append((param.numel(), param.element_size()))
+        return tuple(params), lazy
+
     def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._stack:
+        if not self._stack or self._over or get_ident() != self._thread:
             return
         done = self._stack.pop()
-        record = CallRecord(done.name, done.call_id, tuple(done.items), done.device_us, done.params)
+        params = done.params + self._new_params(module)[0] if done.lazy else done.params
+        record = CallRecord(done.name, done.call_id, tuple(done.items), done.device_us, params)
         if self._stack:
             self._stack[-1].items.append(record)
             self._stack[-1].device_us += record.device_us
@@ -232,7 +300,11 @@ class Observer:
         self, func: OpOverload, args: OpArgs, kwargs: OpKwargs, out: Any, before: object = None
     ) -> None:
         """File one op, after it ran, under the innermost open module call."""
-        if not self._stack:  # an op outside any module call (e.g. building inputs)
+        if not self._stack or self._over:  # an op outside any module call (building inputs)
+            return
+        # An op of the observed thread after its root's call was interrupted is none of
+        # the forward's (the autograd engine's device threads run the thread's modes too).
+        if get_ident() == self._thread and self.interrupted:
             return
         reads, writes, fresh = _uses(func, args, kwargs, out)
         occupancy = 1.0
@@ -244,6 +316,26 @@ class Observer:
         op = ObservedOp(str(func), tuple(reads), tuple(writes), tuple(fresh), cost, occupancy)
         self._stack[-1].items.append(op)
         self._stack[-1].device_us += cost
+
+
+def _call_frame(module: nn.Module) -> FrameType | None:
+    """The innermost ``nn.Module`` call frame of ``module`` on this thread's stack."""
+    call_impl = nn.Module._call_impl.__code__
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is call_impl and frame.f_locals.get("self") is module:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _on_stack(target: FrameType, frame: FrameType | None) -> bool:
+    """Whether ``target`` is ``frame`` or one of its callers (a walk up the stack: a few µs)."""
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def observe(

@@ -69,9 +69,11 @@ class Accumulators:
 
     Looking up and releasing an accumulator briefly sets ``param.data`` to another tensor,
     which another thread using the parameters at that moment would see. So this is done
-    only while one thread has ever run the model: a second thread's first forward waits
-    for a look-up underway to finish, then turns the releases off for good (accumulators
-    are then left as autograd makes them, as without the wrapper).
+    only while one thread has ever run the model: a second thread's first forward (any
+    forward that reaches a hook of the wrapper, training or not, planned, learning or
+    plain: :meth:`enter`) waits for a look-up underway to finish, then turns the releases
+    off for good (accumulators are then left as autograd makes them, as without the
+    wrapper).
     """
 
     def __init__(self) -> None:
@@ -83,16 +85,21 @@ class Accumulators:
         self._thread: int | None = None  # the one thread that ran the model, while one did
         self._shared = False  # several threads ran it: leave accumulators alone
 
-    def begin(self, model: nn.Module, layout: Layout) -> None:
-        """Before any op of a training forward that runs with ``layout``: if the previous
-        one ran with the other, release the accumulators the wrapper's forwards made."""
+    def enter(self) -> None:
+        """Before any op of a forward of the model on this thread: a thread other than the
+        first waits for a look-up underway, and none is made again."""
         thread = threading.get_ident()
         if thread != self._thread:
             with self._lock:
                 if self._thread is None:
                     self._thread = thread
-                else:
+                elif self._thread != thread:
                     self._shared = True
+
+    def begin(self, model: nn.Module, layout: Layout) -> None:
+        """Before any op of a training forward that runs with ``layout``: if the previous
+        one ran with the other, release the accumulators the wrapper's forwards made."""
+        self.enter()
         if self._shared or (layout == self._layout and not self._retry) or not _can_make_nodes():
             return
         # No mode sees the look-ups: they are no op of the model (a race checker or
@@ -174,8 +181,11 @@ def _can_make_nodes() -> bool:
 
 def _parameters(model: nn.Module) -> Iterator[nn.Parameter]:
     """The plain dense parameters that take gradients (a tensor subclass's ``.data``, such
-    as a sharded ``DTensor``'s, is left alone)."""
+    as a sharded ``DTensor``'s, is left alone; a lazy module's before it initializes them
+    has no accumulator)."""
     for param in model.parameters():
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            continue
         plain = type(param.data) is torch.Tensor and param.layout == torch.strided
         if plain and param.requires_grad and param.is_leaf:
             yield param

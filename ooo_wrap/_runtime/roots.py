@@ -162,11 +162,15 @@ class RootHooks:
         )
         local.calls.append(call)
         accumulators = self.accumulators
-        if accumulators is not None and call.bypass != "no_grad" and not self.layout_by_tuner:
+        if accumulators is None:
+            return
+        if call.bypass != "no_grad" and not self.layout_by_tuner:
             # Before any op of the forward: if it runs on other streams than the previous
             # one, the accumulators that one made are released, so each parameter's is
             # made where this forward first uses it.
             accumulators.begin(module, "inline" if call.bypass is not None else "planned")
+        else:
+            accumulators.enter()  # no other thread may look up while this one runs
 
     def _root_post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if is_compiling():

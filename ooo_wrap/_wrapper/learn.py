@@ -15,15 +15,17 @@ used and an event says why.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
+import threading
 from collections.abc import Sequence
+from threading import get_ident
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .._compat import dataflow_names_found
-from .._events import EventKind, OOOEvent
+from .._events import EventKind, EventLog, OOOEvent
 from .._plan import Plan, StageSource, as_stage_names, plural
 from .._planner.api import named_stages, reference_gpu
 from .._planner.cost import ReferenceGPU
@@ -35,9 +37,12 @@ from .._reasons import Reason
 from .._runtime.accumulators import Accumulators
 from .._runtime.backend import Backend
 from .._runtime.bypass import eager_bypass_reason
+from .._runtime.inflight import handled_exception
 from .._stats import Counters
 
 __all__ = ["Learned", "Learner", "learned_events", "pending_plan", "removed_before_learning"]
+
+logger = logging.getLogger("ooo_wrap")
 
 
 class Learned(NamedTuple):
@@ -64,7 +69,16 @@ def _learned(
 class Learner:
     """What the two root hooks of a model still to be learned do: observe the first eligible
     forward and return the plan learned from it (the wrap state registers the hooks and
-    acts on what they return; a learner holds no hook and no reference to the model)."""
+    acts on what they return; a learner holds no hook and no reference to the model).
+
+    One forward is observed at a time, on one thread: forwards of other threads meanwhile
+    run plain (inline, unobserved), and once a plan is learned no other thread starts
+    learning. A forward that a ``BaseException`` (``KeyboardInterrupt``) ended skips the
+    post-hook: the observer stops recording at the next op or module call of its thread,
+    and is closed (its dispatch mode left) by the next forward of the model on that thread
+    (which learns), by :meth:`close` (``replan()``, ``unwrap()``) on that thread, or by
+    another thread's forward once that thread has ended.
+    """
 
     def __init__(
         self,
@@ -76,6 +90,7 @@ class Learner:
         accumulators: Accumulators,
         *,
         gpu: ReferenceGPU | None = None,
+        log: EventLog | None = None,
     ) -> None:
         self._counters = counters
         self._accumulators = accumulators
@@ -84,12 +99,18 @@ class Learner:
         self._stages = stages
         self._backend = backend
         self._device = device
-        self._observer: Observer | None = None
+        self._log = log
+        self._lock = threading.Lock()  # who observes: claimed and given back under it
+        self._observer: Observer | None = None  # the forward observed, on its thread
         self._depth = 0  # calls of the root inside the observed one (a root run recursively)
         # Set inside compiled code, where the log can't be written: a constant store, which
         # Dynamo has nothing to guard on; compiled_event() reports it once, outside.
         self.ran_compiled = False
         self._compiled_reported = False
+        self._outer_exception: BaseException | None = None  # handled as the observed began
+        self._initializing: int | None = None  # the thread whose forward initializes lazy params
+        self._done = False  # a plan was returned: nothing more to observe
+        self._waited = False  # a forward initialized lazy parameters (once is enough)
 
     @property
     def observing(self) -> bool:
@@ -107,36 +128,63 @@ class Learner:
         if torch.compiler.is_compiling():
             self.ran_compiled = True
             return None  # nothing is learned under compile (and nothing read: no recompiles)
-        if self._observer is not None:
-            self._depth += 1
-            return None
+        # Before any op: while another thread looks accumulators up (which swaps
+        # ``param.data`` for a moment), wait, and have it never do so again.
+        self._accumulators.enter()
+        observer = self._observer
+        if observer is not None:
+            if observer.interrupted:
+                self._close_interrupted(module, observer)
+            elif observer.thread == get_ident():
+                self._depth += 1  # called inside the observed forward
+                return None
         self._counters.forwards += 1
-        if not self._eligible():
+        if self._observer is not None or self._done or not self._eligible():
+            return None  # another thread observes (this forward runs plain), or no training
+        if not self._waited and _uninitialized(module):
+            self._initialize_first(module)
             return None
+        with self._lock:
+            if self._observer is not None or self._done:
+                return None  # another thread claimed it meanwhile
+            observer = Observer(module, gpu=reference_gpu(self._gpu), inside_root=True)
+            self._observer, self._depth = observer, 0
+            self._outer_exception = handled_exception()
         # This forward runs inline: its parameters' accumulators are made on the caller's
         # stream (and released again before the first planned forward).
         self._accumulators.begin(module, "inline")
         if not dataflow_names_found():
+            self._give_back(observer, done=True)
             return self._failed(module, "this torch lacks what observing a forward needs")
-        observer = Observer(module, gpu=reference_gpu(self._gpu), inside_root=True)
         try:
             observer.__enter__()
         except Exception as error:
+            self._give_back(observer, done=True)
+            observer.__exit__(None, None, None)  # what it had put on comes off
             return self._failed(
                 module, f"observing the forward failed ({type(error).__name__}: {error})"
             )
-        self._observer = observer
         return None
 
     def post_hook(self, module: nn.Module) -> Learned | None:
         """The root post-hook: the plan learned from the observed forward, once it returned."""
-        if torch.compiler.is_compiling() or self._observer is None:
+        if torch.compiler.is_compiling():
             return None
+        if self._initializing == get_ident():
+            self._initializing = None
+            self._accumulators.end(module)
+            return None
+        observer = self._observer
+        if observer is None or observer.thread != get_ident():
+            return None  # a forward that was not observed (another thread's is)
         if self._depth:
             self._depth -= 1
             return None
-        observer, self._observer = self._observer, None
-        raised = sys.exc_info()[1] is not None
+        # A forward called while an exception is handled (a retry in an ``except`` block)
+        # raised only if another exception is handled now.
+        raised = handled_exception() is not self._outer_exception
+        if not self._give_back(observer, done=not raised):
+            return None
         try:
             observer.__exit__(None, None, None)
             self._accumulators.end(module)
@@ -161,6 +209,56 @@ class Learner:
             return None
         self._compiled_reported = True
         return _compiled_before_learning()
+
+    def close(self) -> None:
+        """Stop observing (the learner's hooks come off): on the observed thread the
+        observer's dispatch mode is left too; elsewhere it records nothing more."""
+        with self._lock:
+            observer, self._observer, self._done = self._observer, None, True
+        if observer is not None:
+            observer.__exit__(None, None, None)
+
+    def _give_back(self, observer: Observer, *, done: bool) -> bool:
+        """Let go of ``observer``; whether it was still the one observing."""
+        with self._lock:
+            if self._observer is not observer:
+                return False  # another thread gave it back already
+            self._observer = None
+            self._done = self._done or done
+            self._outer_exception = None  # the handled exception must not be kept alive
+            return True
+
+    def _close_interrupted(self, module: nn.Module, observer: Observer) -> None:
+        """Close what an interrupted observed forward left (its post-hook never ran)."""
+        if not self._give_back(observer, done=False):
+            return
+        self._depth = 0
+        observer.__exit__(None, None, None)
+        self._accumulators.end(module)
+        logger.info("the observed forward was interrupted; the next training forward learns")
+
+    def _initialize_first(self, module: nn.Module) -> None:
+        """The first training forward that starts with lazy parameters (``nn.LazyLinear``)
+        not initialized yet runs unobserved: its ops would be the parameters' initialization
+        as much as the model's, and the learned plan is the steady state's. It is an inline
+        forward for the accumulators, and the next training forward learns (even if a lazy
+        module it did not call is still to be initialized: the observer counts its
+        parameters once they are)."""
+        with self._lock:
+            if self._initializing is not None or self._observer is not None:
+                return
+            self._initializing, self._waited = get_ident(), True
+        self._accumulators.begin(module, "inline")
+        if self._log is not None:
+            self._log.add(
+                OOOEvent(
+                    EventKind.PLANNED,
+                    "lazy_parameters",
+                    "the model has parameters that are not initialized yet (lazy modules): "
+                    "the plan is learned from the first training forward after they are",
+                ),
+                level=logging.INFO,
+            )
 
     def _failed(self, module: nn.Module, why: str) -> Learned:
         """Fall back to the static plan (an event says why)."""
@@ -244,3 +342,9 @@ def learned_events(the_plan: Plan) -> tuple[OOOEvent, ...]:
     if learned.named_chain:  # none of them can overlap another: say so
         events += (OOOEvent(EventKind.PLANNED, "named_chain", learned.named_chain_message),)
     return events
+
+
+def _uninitialized(module: nn.Module) -> bool:
+    """Whether ``module`` has a lazy parameter or buffer not initialized yet."""
+    lazy = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
+    return any(isinstance(t, lazy) for t in (*module.parameters(), *module.buffers()))

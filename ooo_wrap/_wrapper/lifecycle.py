@@ -218,6 +218,7 @@ class WrapState:
                 self.counters,
                 self.accumulators,
                 gpu=options.gpu,
+                log=self.log,
             )
             hooks = self._hooks["learner"]
             hooks.append(
@@ -229,11 +230,11 @@ class WrapState:
             self.plan, self.phase = pending_plan(options.streams), Phase.LEARNING
 
     def _learner_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.learner is not None and (learned := self.learner.pre_hook(module)) is not None:
+        if (learner := self.learner) is not None and (learned := learner.pre_hook(module)):
             self._learned(module, learned)
 
     def _learner_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.learner is not None and (learned := self.learner.post_hook(module)) is not None:
+        if (learner := self.learner) is not None and (learned := learner.post_hook(module)):
             self._learned(module, learned)
 
     def _learned(self, model: nn.Module, learned: Learned) -> None:
@@ -359,7 +360,8 @@ class WrapState:
             for handle in self._hooks[part]:
                 handle.remove()
             self._hooks[part].clear()
-        if "learner" in parts:
+        if "learner" in parts and self.learner is not None:
+            self.learner.close()  # an observation an interrupted forward left
             self.learner = None
         if "tuner" in parts and self.tuner is not None:
             self.decided = self.tuner.record()  # as far as it got

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,25 @@ def test_the_observer_leaves_no_hook_behind_even_when_the_forward_raises() -> No
         pass
     with pytest.raises(RuntimeError, match="no forward of the model completed"):
         _ = watch.record
+
+
+def test_a_lazy_module_is_observed_with_its_parameters_once_initialized() -> None:
+    model = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.Linear(4, 3))
+    record = observe(model, (torch.randn(2, 5),), op_cost=one_us)
+    lazy, _, plain = record.children
+    assert lazy.params == ((4 * 5, 4), (4, 4)) and plain.params == ((3 * 4, 4), (3, 4))
+
+
+def test_another_thread_calling_the_observed_modules_is_not_recorded() -> None:
+    model = Twice()
+    x = torch.randn(2, 4)
+    with Observer(model, op_cost=one_us) as watch:
+        other = threading.Thread(target=model, args=(x,))
+        other.start()
+        other.join()
+        model(x)
+    assert len(watch._top) == 1
+    assert [call.name for call in watch.record.calls()] == ["", "inner", "inner"]
 
 
 def test_cpu_and_meta_observations_agree() -> None:

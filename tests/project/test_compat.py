@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ooo_wrap import _compat
 from ooo_wrap._runtime.backend import AcceleratorBackend
@@ -179,3 +180,30 @@ def test_a_flop_table_that_changed_shape_counts_no_flops(monkeypatch: pytest.Mon
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # warned once per process: maybe already
         assert _compat.flop_formulas() == ({}, None)
+
+
+class _Passing(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_dispatch_mode_is_left_from_under_another_which_stays() -> None:
+    below, above = _Passing(), _Passing()
+    below.__enter__()
+    with above:
+        assert _compat.leave_dispatch_mode(below) is True
+        assert torch._C._len_torch_dispatch_stack() == 1
+        assert torch._C._get_dispatch_stack_at(0) is above
+        assert _compat.leave_dispatch_mode(below) is False  # not on the stack any more
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_without_the_stack_functions_a_dispatch_mode_is_left_from_the_top(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mode = _Passing()
+    mode.__enter__()
+    monkeypatch.delattr(torch._C, "_get_dispatch_stack_at")
+    assert _compat.leave_dispatch_mode(mode) is True
+    monkeypatch.undo()
+    assert torch._C._len_torch_dispatch_stack() == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 import ooo_wrap
-from ooo_wrap.testing import DetectingBackend, Detection, check, detect
+from ooo_wrap.testing import DetectingBackend, Detection, SimulatedBackend, check, detect
 from ooo_wrap.testing._simulated import VirtualStream
 from tests.support.models import make_two_towers, two_tower_input
 
@@ -333,3 +334,29 @@ def test_two_forwards_into_one_backward_across_a_switch_share_one_accumulator() 
     assert found.ok, found.races
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
+def test_a_thread_that_only_evaluates_the_model_turns_the_look_ups_off() -> None:
+    """Looking an accumulator up swaps ``param.data`` for a moment: once a second thread has
+    run the model, even under ``no_grad``, none is looked up or released again."""
+    model = ooo_wrap.OOOModule(
+        make_two_towers(), backend=SimulatedBackend(), stages=STAGES, planner="static"
+    )
+    x = two_tower_input()
+    with ooo_wrap.disabled():
+        inline = model(x).sum()  # inline: its accumulators are released by a planned forward
+    inline.backward()
+    weight = model.get_submodule(STAGES[0]).weight
+    node = get_gradient_edge(weight).node
+
+    def evaluate() -> None:
+        with torch.no_grad():
+            model(x)
+
+    thread = threading.Thread(target=evaluate)
+    thread.start()
+    thread.join()
+    planned = model(x).sum()
+    assert get_gradient_edge(weight).node is node  # kept, as autograd made it
+    planned.backward()
+    del inline, planned
