@@ -89,14 +89,11 @@ class OOOModule(nn.Module):
             ``nn.Conv1d/2d/3d`` call (and layer types added with
             ``ooo_wrap.register_split_layer``) computes its weight gradient on a
             weight-gradient stream, so the next layer's input gradient overlaps it; this
-            works on chains, where stages find nothing to overlap (a chain's plan is then
-            the split alone). ``True``: in every planned forward (with ``tune=False``,
-            always); ``"auto"`` (the default): only while measured tuning races the plan
-            against plain, and kept only if the plan is kept (with tuning off, never);
-            ``False``: never. Layers' classes are swapped only while the split is raced
-            or kept, and restored by ``unwrap()``. See docs/weight-gradients.md.
-        split_weight_grads_exclude: dotted names of sub-modules whose layers are never
-            split.
+            works on chains (whose plan is then the split alone). ``True``: in every
+            planned forward; ``"auto"`` (the default): only while measured tuning races
+            it, kept only if measured faster (tuning off: never); ``False``: never. Layer
+            classes are swapped only while it is raced or kept. docs/weight-gradients.md.
+        split_weight_grads_exclude: names of sub-modules whose layers are never split.
 
     Returns:
         ``model`` itself, wrapped or untouched.

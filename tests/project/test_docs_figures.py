@@ -346,6 +346,9 @@ def test_the_gpu_kit_lists_every_benchmark_mode_and_runs_them_in_step_c() -> Non
 # command makes it.
 TABLES: dict[tuple[str, tuple[str, ...]], str | None] = {
     ("README.md", ("option", "default", "what it does")): None,
+    ("torch-versions.md", ("without", "what is off")): None,
+    # A dated wall-clock timing (its command and machine named above it): not comparable.
+    ("weight-gradients.md", ("what", "figure")): None,
     ("README.md", ("attribute", "what it is")): None,
     ("README.md", ("function", "what it does")): None,
     ("code-layout.md", ("layer", "what it is", "may import")): None,

@@ -8,7 +8,6 @@ import copy
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,17 +17,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ooo_wrap
 from ooo_wrap import EventKind, OOOModule
-from ooo_wrap._planner import api as planner_api
 from ooo_wrap._wrapper.registry import wrapped as wrap_states
 from ooo_wrap.testing import SimulatedBackend
 from tests.support import dataflow_models
 from tests.support.models import FailingTowers, hook_snapshot, two_tower_input
+from tests.support.reference import FREE_FORK
 
 pytestmark = pytest.mark.usefixtures("plan_by_rule")
 
 # These models are far too small for a fork to pay on a real GPU: the learner's reference
 # GPU gets a near-free fork, so that the dataflow planner puts the branches on streams.
-FREE_FORK = replace(planner_api.REFERENCE_GPU, fork_join_us=1e-6)
 
 
 def wrap(model: nn.Module) -> Any:
