@@ -11,14 +11,12 @@ each unsynchronized access to stderr and raises. One process does, in order:
 1. preflight: whether this sanitizer ignores ``record_stream``. Older ones count it as a
    write on the current stream, so code that calls it after recording its fork event
    (a correct pattern) is flagged; the answer explains any report in step 2.
-2. clean: training steps of every benchmark model, wrapped (stages alone, and with the
-   weight-gradient split, ``split_weight_grads=True``); each run must finish with no
+2. clean: training steps of every benchmark model, wrapped; each run must finish with no
    report.
 3. broken: two races the sanitizer must flag, or its silence in step 2 proves nothing:
-   a two-stream toy program without its wait, a benchmark model wrapped by the real
+   a two-stream toy program without its wait, and a benchmark model wrapped by the real
    wrapper with its fork wait removed (the stage's stream no longer waits for the
-   caller's), the class of bug this wrapper could have, and the same model with the
-   weight-gradient split's dW wait removed.
+   caller's), the class of bug this wrapper could have.
 
 The last line is the verdict; the exit status is 0 only if every clean run was silent and
 every broken one was flagged.
@@ -129,18 +127,11 @@ def train(
     steps: int,
     dtype: torch.dtype | None,
     backend: Any = None,
-    split: bool = False,
 ) -> str:
-    """``steps`` training steps of ``case`` wrapped (with the weight-gradient split in
-    force if ``split``); returns a one-line account."""
+    """``steps`` training steps of ``case`` wrapped; returns a one-line account."""
     # The static plan: the protocol is what is checked, and it forks from the first step.
     model = ooo_wrap.OOOModule(
-        case.build().to(device),
-        streams=4,
-        backend=backend,
-        planner="static",
-        split_weight_grads=split,
-        tune=False if split else "auto",
+        case.build().to(device), streams=4, backend=backend, planner="static"
     )
     if not isinstance(model, ooo_wrap.OOOModule):
         events = "; ".join(str(e) for e in ooo_wrap.events_for(model))
@@ -161,27 +152,7 @@ def train(
         f"{len(model.plan.stages)} stages on {model.plan.num_streams} streams, "
         f"{stats.stage_calls} stage calls, {stats.waits} waits, "
         f"{stats.record_streams} record_stream calls"
-        + (f", {stats.split_layer_calls} split layer calls" if split else "")
     )
-
-
-@contextlib.contextmanager
-def without_dw_wait() -> Any:
-    """The weight-gradient split with its dW event wait removed: dW reads the output
-    gradient on the weight-gradient stream before the layer's stream wrote it."""
-    from ooo_wrap._runtime import wgrad_function
-
-    original = wgrad_function._order_after
-    wgrad_function._order_after = lambda backend, stream, ambient: None
-    try:
-        yield
-    finally:
-        wgrad_function._order_after = original
-
-
-def _broken_split(case: Case, device: torch.device) -> str:
-    with without_dw_wait():
-        return train(case, device, 2, None, split=True)
 
 
 def flagged(run: Callable[[], object], device: torch.device) -> str | None:
@@ -256,22 +227,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     clean_ok = clean_runs = broken_ok = broken_runs = 0
     if args.mode in ("all", "clean"):
         dtypes = (None,) if args.quick else (None, torch.bfloat16)
-        runs = [(c, d, split) for c in cases(args.quick) for d in dtypes for split in (False, True)]
-        for case, dtype, split in runs:
-            # One clean run each: stages alone, and with the weight-gradient split.
-            account: list[str] = []
-            message = flagged(
-                lambda c=case, d=dtype, a=account, s=split: a.append(
-                    train(c, device, args.steps, d, split=s)
-                ),
-                device,
-            )
-            clean_runs += 1
-            if message is None:
-                clean_ok += 1
-                print(f"ok: {account[0]}", flush=True)
-            else:
-                print(f"REPORTED (must be silent): {case.name}: {message}", flush=True)
+        for case in cases(args.quick):
+            for dtype in dtypes:
+                account: list[str] = []
+                message = flagged(
+                    lambda c=case, d=dtype, a=account: a.append(train(c, device, args.steps, d)),
+                    device,
+                )
+                clean_runs += 1
+                if message is None:
+                    clean_ok += 1
+                    print(f"ok: {account[0]}", flush=True)
+                else:
+                    print(f"REPORTED (must be silent): {case.name}: {message}", flush=True)
     if args.mode in ("all", "broken"):
         spec = ModelSpec.towers(4, 256, 2)
         broken_backend = without_fork_wait(AcceleratorBackend)()
@@ -280,10 +248,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             (
                 f"{spec.label} wrapped, with the fork wait removed",
                 lambda: train(_spec_case(spec, 8), device, 1, None, backend=broken_backend),
-            ),
-            (
-                f"{spec.label} with the weight-gradient split, its dW wait removed",
-                lambda: _broken_split(_spec_case(spec, 8), device),
             ),
         ]
         for name, run in races:

@@ -3,15 +3,13 @@
 A wrapped model is always in one :class:`Phase`, and only the transitions here add or
 remove the wrapper's hooks (``_remove`` is the one place they come off):
 
-- ``LEARNING``: the learner's two root hooks (``dataflow`` planner), until the first
-  eligible training forward returns; the plan learned from it moves the model to
-  ``SCHEDULED`` (then ``TUNING`` where it tunes), or to ``STOPPED`` when there is nothing
-  to overlap or the plan cannot start.
+- ``LEARNING``: the learner's root hooks (``dataflow``) until the first eligible training
+  forward returns; its plan moves the model to ``SCHEDULED`` (then ``TUNING``), or to
+  ``STOPPED`` when there is nothing to overlap or the plan cannot start.
 - ``SCHEDULED``: the scheduler's hooks (the stages' and the root's), and the split layers'
   swapped classes where the plan runs with the weight-gradient split (``split.py``).
-- ``TUNING``: the scheduler's hooks and the tuner's two root hooks. The decision moves
-  the model to ``SCHEDULED`` (plan kept) or ``STOPPED`` (``measured_slower``); a CUDA
-  graph replaying the forward moves it to ``SCHEDULED`` undecided.
+- ``TUNING``: the scheduler's and the tuner's hooks, until ``SCHEDULED`` (plan kept, or a
+  CUDA graph replays the forward: undecided) or ``STOPPED`` (``measured_slower``).
 - ``STOPPED``: no hook at all: the model runs plain, still wrapped. ``UNWRAPPED``: final.
 
 From outside: ``replan()`` moves any other phase to ``LEARNING``; ``retune()`` moves
