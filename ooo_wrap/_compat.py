@@ -25,6 +25,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -66,6 +67,7 @@ __all__ = [
     "is_fsdp_managed",
     "leave_dispatch_mode",
     "modes_set_aside",
+    "module_call_frame",
     "module_calls_on_stack",
     "module_calls_visible",
     "next_hook_id",
@@ -780,6 +782,17 @@ def module_calls_on_stack() -> Counter[int]:
             executing[id(frame.f_locals.get("self"))] += 1
         frame = frame.f_back
     return executing
+
+
+def module_call_frame(module: nn.Module) -> FrameType | None:
+    """The innermost frame of a call of ``module`` on this thread's Python stack, if any."""
+    code = _module_call_code()
+    frame = inspect.currentframe()
+    while frame is not None and code is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is module:
+            return frame
+        frame = frame.f_back
+    return None
 
 
 # --- threads (Python's, not torch's) ------------------------------------------------------

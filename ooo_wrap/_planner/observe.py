@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._compat import leave_dispatch_mode, storage_id
+from .._compat import leave_dispatch_mode, module_call_frame, storage_id
 from .._tensors import tensors_in
 from .cost import H200, ReferenceGPU, estimate_op
 from .intercept import OpArgs, OpInterceptor, OpKwargs, OpOverload
@@ -211,7 +211,7 @@ class Observer:
     def __enter__(self) -> Observer:
         self._thread = get_ident()
         if self._inside_root:
-            self._root_frame = _call_frame(self._model)
+            self._root_frame = module_call_frame(self._model)
         for name, module in self._model.named_modules():
             if self._inside_root and module is self._model:
                 continue
@@ -316,17 +316,6 @@ class Observer:
         op = ObservedOp(str(func), tuple(reads), tuple(writes), tuple(fresh), cost, occupancy)
         self._stack[-1].items.append(op)
         self._stack[-1].device_us += cost
-
-
-def _call_frame(module: nn.Module) -> FrameType | None:
-    """The innermost ``nn.Module`` call frame of ``module`` on this thread's stack."""
-    call_impl = nn.Module._call_impl.__code__
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is call_impl and frame.f_locals.get("self") is module:
-            return frame
-        frame = frame.f_back
-    return None
 
 
 def _on_stack(target: FrameType, frame: FrameType | None) -> bool:
