@@ -27,6 +27,7 @@ class Reason(str, ValueEnum):  # prints as its value, as a plain str would
     NO_PARALLELISM = "no_parallelism"
     MEASURED_SLOWER = "measured_slower"
     SETUP_FAILED = "setup_failed"
+    PINNED = "pinned"
     # BYPASSED: stage calls run inline on the caller's stream.
     COMPILING = "compiling"
     TRACING = "tracing"
@@ -38,8 +39,8 @@ class Reason(str, ValueEnum):  # prints as its value, as a plain str would
     def message(self) -> str:
         """The usual message of an event with this reason.
 
-        ``no_parallelism``, ``measured_slower`` and ``setup_failed`` have none of their
-        own: their events say what was found, measured or raised.
+        ``no_parallelism``, ``measured_slower``, ``setup_failed`` and ``pinned`` have none
+        of their own: their events say what was found, measured, raised or pinned.
         """
         return MESSAGES[self]
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +57,8 @@ from .._compat import (
 
 __all__ = ["Accumulators", "Layout"]
 
-Layout = Literal["inline", "planned"]
+# How a forward lays out its streams: "inline" (the caller's only), else a plan's name.
+Layout = str
 
 _KEY = "ooo_wrap.accumulator"
 _FOREIGN = "foreign"  # the mark of an accumulator made before the wrapper's first forward

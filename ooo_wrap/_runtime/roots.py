@@ -71,15 +71,11 @@ class RootHooks:
         # counter read and bumped there would be guarded on, and recompile every call.
         self.ran_compiled = False
         self._compiled_reported = False
-        # Why stage calls outside any root call run inline, if they must: set by measured
-        # tuning during a plain step, whose backward may recompute checkpointed stages.
-        self.bypass_outside_forward: str | None = None
         # Set by the wrapper: the accumulators to release when a forward runs on other
-        # streams than the one before (accumulators.py); while a tuner runs, its root
-        # pre-hook (run before any op of the forward, after this one) does it instead,
-        # once it has chosen the arm.
+        # streams than the one before (accumulators.py), and the name of this plan's
+        # layout of streams among those a model may run (measured tuning's arms).
         self.accumulators: Accumulators | None = None
-        self.layout_by_tuner = False
+        self.layout = "planned"
         # Set by the wrapper: the weight-gradient split of this plan's forwards (wgrad.py),
         # removed (the layers' classes restored) with these hooks.
         self.weight_grads: WeightGradSplit | None = None
@@ -164,11 +160,11 @@ class RootHooks:
         accumulators = self.accumulators
         if accumulators is None:
             return
-        if call.bypass != "no_grad" and not self.layout_by_tuner:
+        if call.bypass != "no_grad":
             # Before any op of the forward: if it runs on other streams than the previous
             # one, the accumulators that one made are released, so each parameter's is
             # made where this forward first uses it.
-            accumulators.begin(module, "inline" if call.bypass is not None else "planned")
+            accumulators.begin(module, "inline" if call.bypass is not None else self.layout)
         else:
             accumulators.enter()  # no other thread may look up while this one runs
 

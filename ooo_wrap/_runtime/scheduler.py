@@ -109,6 +109,10 @@ class Scheduler(RootHooks):
         handles.append(
             model.register_forward_hook(self._root_post_hook, with_kwargs=True, always_call=True)
         )
+        self.install_stages(model, handles)
+
+    def install_stages(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
+        """Register the stage hooks only (measured tuning calls the root hooks itself)."""
         self._tied_weights = pair_tied_stages(model, self._stages)
         # The class's functions with this scheduler and the stage bound: one call layer
         # per hook call (a partial of a bound method has two). Looked up on the class, so
@@ -143,7 +147,7 @@ class Scheduler(RootHooks):
             frames = local.frames
             if frames and frames[-1].module is module and frames[-1].stage.owner is not self:
                 return  # a model sharing this module already forked
-            reason = eager_bypass_reason() or self.bypass_outside_forward
+            reason = eager_bypass_reason()
         backend = self._backend
         recomputing = local.recomputing
         if recomputing is not None:

@@ -59,11 +59,17 @@ def pending_plan(streams: int) -> Plan:
 
 
 def _learned(
-    model: nn.Module, record: CallRecord, streams: int, named: Plan | None, gpu: ReferenceGPU
+    model: nn.Module,
+    record: CallRecord,
+    streams: int,
+    named: Plan | None,
+    gpu: ReferenceGPU,
+    by_simulation: bool,
 ) -> Plan:
     names = None if named is None else [stage.name for stage in named.stages]
     source: StageSource = "dataflow" if named is None else named.source
-    return learn(record, streams, gpu=gpu, stages=names).to_plan(model, source)
+    learned = learn(record, streams, gpu=gpu, stages=names, by_simulation=by_simulation)
+    return learned.to_plan(model, source)
 
 
 class Learner:
@@ -91,7 +97,9 @@ class Learner:
         *,
         gpu: ReferenceGPU | None = None,
         log: EventLog | None = None,
+        by_simulation: bool = True,
     ) -> None:
+        self._by_simulation = by_simulation  # keep only regions the estimate says pay
         self._counters = counters
         self._accumulators = accumulators
         self._gpu = gpu  # None: the default reference, read when learning
@@ -196,7 +204,7 @@ class Learner:
             named = named_stages(module, self._streams, stages)
             named = None if named is None else self._as_given(named)
             gpu = reference_gpu(self._gpu)
-            plan = _learned(module, observer.record, self._streams, named, gpu)
+            plan = _learned(module, observer.record, self._streams, named, gpu, self._by_simulation)
             return Learned(plan, None, removed)
         except Exception as error:
             return self._failed(

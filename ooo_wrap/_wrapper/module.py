@@ -73,15 +73,15 @@ class OOOModule(nn.Module):
             operation or host read in the caller's code, the end of the forward), so
             independent stages overlap in forward, and under ``torch.no_grad`` too;
             off by default.
-        tune: once a plan is in force, alternate plain and planned training steps,
-            time each on the device (timing events on the caller's stream, no per-step
-            host sync) and keep the plan only if its median step is faster than plain by
-            more than the noise; else remove every hook (a ``DISABLED`` event with reason
-            ``measured_slower``). ``"auto"`` (the default) tunes where the backend can
-            time steps (a real accelerator), ``True`` requires it, ``False`` never tunes.
-            ``model.tuning`` shows the measurement.
-        tune_steps: counted steps per arm before tuning decides (more pairs run, up to
-            three times as many, while the difference is within the noise).
+        tune: race the candidate arms (plain; the learned stage regions, the stage
+            rule, the weight-gradient split, combinations) over training steps, timed on
+            the device, and keep the fastest only if it beats plain by more than the noise
+            in a confirmation round; else remove every hook (``measured_slower``).
+            ``"auto"`` (the default) tunes where the backend can time steps, ``True``
+            requires it, ``False`` never tunes. ``model.tuning`` shows the race.
+        tune_steps: counted steps per arm per round (more run while unclear).
+        tune_arms: the most candidate arms raced besides plain (default 3).
+        tune_arm: run this arm by name, racing nothing (to reproduce a run).
         gpu: the reference GPU the ``dataflow`` planner estimates on: an
             ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (the GPU kit writes one
             measured on its device); ``None`` for the H200 datasheet figures.
@@ -132,6 +132,8 @@ class OOOModule(nn.Module):
         gpu: GPULike | None = None,
         split_weight_grads: SplitWeightGrads = "auto",
         split_weight_grads_exclude: Sequence[str] = (),
+        tune_arms: int = 3,
+        tune_arm: str | None = None,
     ) -> Any:
         if cls is not OOOModule:  # OOO<Cls> has its own __new__ (classswap.py)
             return super().__new__(cls)
@@ -147,6 +149,8 @@ class OOOModule(nn.Module):
             as_reference_gpu(gpu),
             split_weight_grads,
             split_weight_grads_exclude,
+            tune_arms,
+            tune_arm,
         )
         return _wrap(model, options)
 

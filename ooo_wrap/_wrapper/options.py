@@ -63,6 +63,10 @@ class WrapOptions:
             ``False`` never.
         split_weight_grads_exclude: dotted names of sub-modules whose layers are never
             split (each layer below a name is left alone).
+        tune_arms: the most candidate arms tuning races besides plain, at least 1.
+        tune_arm: the name of one arm to run with nothing raced (``"regions"``,
+            ``"wgrad"``, ...: ``model.tuning`` lists them), to reproduce a run; ``None``
+            to race.
     """
 
     streams: int = 4
@@ -76,6 +80,8 @@ class WrapOptions:
     gpu: ReferenceGPU | None = None
     split_weight_grads: SplitWeightGrads = "auto"
     split_weight_grads_exclude: Sequence[str] = ()
+    tune_arms: int = 3
+    tune_arm: str | None = None
 
     def __post_init__(self) -> None:
         check_split_weight_grads(self.split_weight_grads, "split_weight_grads")
@@ -103,6 +109,17 @@ class WrapOptions:
             raise OOOConfigError(
                 f"tune must be True, False or 'auto', got {self.tune!r}; 'auto' (the default) "
                 "measures the plan against the plain model wherever the device can time steps"
+            )
+        arms = self.tune_arms
+        if isinstance(arms, bool) or not isinstance(arms, int) or arms < 1:
+            raise OOOConfigError(
+                f"tune_arms must be an int of at least 1, got {arms!r}: the most candidate "
+                "arms tuning races besides plain; the default is 3"
+            )
+        if self.tune_arm is not None and not isinstance(self.tune_arm, str):
+            raise OOOConfigError(
+                f"tune_arm must be an arm's name or None, got {self.tune_arm!r}; "
+                "model.tuning lists the arms a tuning raced (e.g. 'regions', 'wgrad')"
             )
         steps = self.tune_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:

@@ -123,4 +123,4 @@ def mark_graphed(model: nn.Module) -> None:
     tuning, if underway, stops undecided."""
     state = wrapped.get(model)
     if state is not None:
-        state.graphed()
+        state.graphed(model)

@@ -22,7 +22,14 @@ from .._runtime.wgrad import WeightGradSplit, split_layers
 from .._stats import Counters
 from .options import WrapOptions
 
-__all__ = ["devices", "plan_device", "split_alone", "split_wanted", "start_split"]
+__all__ = [
+    "devices",
+    "plan_device",
+    "split_alone",
+    "split_event",
+    "split_wanted",
+    "start_split",
+]
 
 
 def devices(model: nn.Module) -> list[torch.device]:
@@ -74,12 +81,16 @@ def start_split(
     split = WeightGradSplit(owner, backend, counters, log)
     layers = split_layers(model, options.split_weight_grads_exclude)
     split.install(layer for _, layer in layers)
+    log.add(split_event(the_plan, len(layers)), level=logging.INFO)
+    return split
+
+
+def split_event(the_plan: Plan, layers: int) -> OOOEvent:
+    """The event of a plan that runs with the split on ``layers`` layers."""
     alone = "" if the_plan.stages else "the plan is the split alone (no parallel branches); "
-    event = OOOEvent(
+    return OOOEvent(
         EventKind.PLANNED,
         "weight_grads",
-        f"{alone}{plural(len(layers), 'layer')} compute their weight gradients on a "
+        f"{alone}{plural(layers, 'layer')} compute their weight gradients on a "
         "weight-gradient stream, off the input-gradient chain",
     )
-    log.add(event, level=logging.INFO)
-    return split

@@ -1,6 +1,10 @@
-"""Measured tuning: time plain and planned training steps on the device; keep the faster.
+"""Measured tuning: race the candidate arms on the device, keep the fastest, or plain.
 
-Once a plan is in force, two hooks on the model's root run a :class:`Tuner`:
+While a model tunes, its root carries the tuner's two hooks only; the arm of each step
+(``arms.py``: plain, stage regions, the weight-gradient split, both) is put on and taken
+off at step boundaries by the wrap state (``switch``): its stage hooks and split layers,
+while the tuner's root hooks call its scheduler's root hooks. So a step of one arm runs
+only that arm's hooks, plain runs none, and once decided only the winner's remain.
 
 1. A training step is one iteration of the user's loop. It starts at the first training
    forward after a step of *the model's optimizer*: the first ``torch.optim`` optimizer
@@ -13,41 +17,40 @@ Once a plan is in force, two hooks on the model's root run a :class:`Tuner`:
    whatever the loop does), credited to its arm. So gradient accumulation, a loss over
    two forwards or a GAN iteration is one step, in one arm; so is a checkpoint's
    recomputation of the whole model in backward (it stops early by raising through the
-   model on purpose: not a forward that raised).
-2. The arms alternate by step, plain then planned: in a plain step every stage call runs
-   inline on the caller's stream (a ``BYPASSED``/``tuning`` stage call, as under
-   ``ooo_wrap.disabled()``; a checkpoint's recomputation in that step's backward too), so
-   the math is the same in both arms. The first step of each arm is a warm-up.
-3. Not counted: a step opened by a forward that raised, ran under ``disabled()`` or
-   tracing, or had other input shapes than the first tuned step. A forward with gradients
-   off (evaluation) is left out of the step it falls in: marks before and after it cut its
-   time out. Under a graph capture nothing is recorded (a capture cannot hold a timing
-   event) and the open step is not counted; the graph holds the planned arm, its
-   backward's checkpoint recomputations included. Compiled forwards are not seen.
-4. After ``tune_steps`` counted steps per arm the step times are read, without a host
-   sync, from the marks the device has passed. The plan is kept only if its median step
-   beats the plain median by more than the noise (2 % and the larger arm's interquartile
-   range over its median); plain wins when the plan is slower by as much. In between,
-   more pairs run, up to three times ``tune_steps``; there the host waits once for the
-   last mark (the one sync of a tuning) and plain wins unless the plan is clearly faster.
-   If too few steps could be timed (input shapes that keep changing), the plan is kept,
-   unmeasured, and the event says so.
-5. The decision is made in the root post-hook of a forward that returned, after the
-   scheduler's, and applied there by the wrap state (``lifecycle.py``): the tuner's hooks
-   are removed (nothing is left on the hot path), and with plain the scheduler's too, as
-   with ``no_parallelism``. The statistics are in ``tuning.py``.
+   model on purpose: not a forward that raised), which runs the hooks of its step's arm.
+2. The arms rotate by step, separately for each input shape (the shapes and dtypes of
+   the forward's tensors): a loop over a handful of sequence lengths compares the arms
+   within each length (``tuning.py``). The first step of each arm at each shape is a
+   warm-up.
+3. Not counted: a step opened by a forward that raised or ran under ``disabled()`` or
+   tracing. A forward with gradients off (evaluation) is left out of the step it falls
+   in: marks before and after it cut its time out. Under a graph capture nothing is
+   recorded (a capture cannot hold a timing event) and the open step is not counted;
+   the graph holds the best-estimated candidate arm. Compiled forwards are not seen.
+4. Racing: once every arm has ``tune_steps`` counted steps, an arm measured slower
+   than plain (or not faster after ``MAX_ROUNDS`` times the steps) leaves the race; when
+   none is left, plain is kept. Else the fastest arm faster than plain (on a tie the
+   simpler) goes to a **confirmation round**: it alone against plain, on fresh steps, so
+   that racing several noisy arms does not manufacture a win. It is kept only if faster
+   there too. Step times are read, without a host sync, from marks the device has passed;
+   the host waits once for the last mark when a round runs out of steps.
+5. The decision is made in the root post-hook of a forward that returned and applied
+   there by the wrap state (``lifecycle.py``): the tuner's hooks go, the winner's hooks
+   are registered as a scheduled plan's are (plain: no hook at all).
 6. One model tunes at a time in a process: a step of one model holds the work of every
-   other model the loop runs, so while one tunes, the others run their plan and wait
-   (a model that stops training for a while gives its turn away).
+   other model the loop runs, so while one tunes, the others run their current arm,
+   untimed (a model that stops training for a while gives its turn away).
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -55,23 +58,29 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from .._compat import is_checkpoint_early_stop
+from .._compat import is_checkpoint_early_stop, module_calls_on_stack
 from .._events import EventKind, EventLog, OOOEvent
-from .._reasons import Reason
+from .._runtime.accumulators import Accumulators
 from .._runtime.backend import Backend, Mark, StepClock
-from .._runtime.inflight import RootCall, thread_state
+from .._runtime.bypass import eager_bypass_reason
+from .._runtime.inflight import thread_state
 from .._tensors import tensors_in
-from .tuning import MAX_ROUNDS, Decision, Tuning, decide
+from .arms import Arm
+from .tuning import MAX_ROUNDS, ArmTiming, Stage, Tuning, compare
 
 if TYPE_CHECKING:
-    from .._runtime.scheduler import Scheduler
+    from .._runtime.roots import RootHooks
 
-__all__ = ["Tuner"]
+__all__ = ["Switch", "Tuner"]
 
-Arm = Literal["plan", "plain"]
 # Training forwards of other models after which a tuning model that ran none gives its
 # turn away (it was trained for a while, then kept but no longer trained).
 IDLE_FORWARDS = 8
+
+Shape = tuple[tuple[torch.Size, torch.dtype], ...]
+# Put an arm's hooks on (and the previous arm's off); returns the scheduler whose root
+# hooks the tuner calls, or None for plain.
+Switch = Callable[[Arm], "RootHooks | None"]
 
 
 @dataclass
@@ -79,6 +88,8 @@ class _Step:
     """One step being timed: its marks, and whether it counts (``arm`` is ``None`` if not)."""
 
     arm: Arm | None
+    shape: Shape
+    stage: Stage
     marks: list[Mark]  # start, then pairs cutting out evaluation forwards, then the end
     ms: float | None = None  # the time once read
 
@@ -89,8 +100,8 @@ class _Frame:
 
     module: nn.Module
     step: _Step | None  # None: an evaluation forward, its time cut out of the open step
+    scheduler: RootHooks | None  # whose root hooks opened the call (None: plain)
     skipped: bool = field(default=False)  # nothing recorded (a capture, a nested call)
-    plain: bool = False  # it runs every stage inline (the plain arm)
     # The exception being handled around the call, if any: one raised *by* the forward
     # is told apart from a forward called inside an ``except`` block by comparing.
     outer_exception: BaseException | None = field(default_factory=lambda: sys.exc_info()[1])
@@ -123,17 +134,20 @@ def _watch_optimizer_steps(tuner: Tuner) -> None:
 
 @dataclass(eq=False, repr=False)
 class Tuner:
-    """What the two root hooks of a tuning model do: time plain and planned steps, and say
-    when the decision is made (the wrap state registers the hooks, after the scheduler's,
-    and applies the decision). ``steps``: counted steps per arm before deciding;
-    ``model``: the wrapped model (kept weakly), to tell which optimizer updates it."""
+    """What the two root hooks of a tuning model do: race ``arms`` (plain first) and say
+    when the decision is made (the wrap state registers the hooks, puts each arm's hooks
+    on through ``switch`` and applies the decision). ``steps``: counted steps per arm
+    per round; ``model``: the wrapped model (kept weakly), to tell which optimizer
+    updates it."""
 
-    scheduler: Scheduler
+    arms: Sequence[Arm]
+    switch: Switch
     backend: Backend
     log: EventLog
     device: torch.device
     clock: StepClock
     steps: int
+    accumulators: Accumulators
     model: InitVar[nn.Module]
 
     def __post_init__(self, model: nn.Module) -> None:
@@ -142,12 +156,18 @@ class Tuner:
         self._opened = 0  # training forwards seen, counted or not
         self._open: _Step | None = None
         self._frames: list[_Frame] = []
-        self._next_arm: Arm = "plain"
-        self._frames_plain = False  # the open step runs plain
-        self._warmed: set[Arm] = set()
-        self._shapes: list[tuple[torch.Size, torch.dtype]] | None = None
-        self._synced = False
+        self._stage: Stage = "racing"
+        self._confirming: Arm | None = None  # the race's winner, once confirming
+        self._racing: list[Arm] = list(self.arms)  # plain first; arms measured slower leave
+        self._opened_in_stage = 0
+        self._rotation: dict[Shape, int] = {}
+        self._warmed: set[tuple[str, Shape]] = set()
+        self._synced: set[Stage] = set()
         self._capture_reported = False
+        self.decision = "pending"
+        self.why = ""
+        self.active: Arm = self.arms[0]
+        self.scheduler: RootHooks | None = None
         # 1. The model's optimizer once one stepped, its steps, and those at the last mark.
         self._own_optimizer: weakref.ref[Optimizer] | None = None
         self._own_steps = 0
@@ -156,93 +176,97 @@ class Tuner:
         self._optimizer_steps_at_start = _optimizer_steps
         self._optimizer_steps_at_mark = _optimizer_steps
 
-        # The tuner's pre-hook releases the accumulators, once it has chosen the arm.
-        self.scheduler.layout_by_tuner = True
+    @property
+    def in_forward(self) -> bool:
+        """Whether a forward of the model is running (its post-hook is still to run)."""
+        return bool(self._frames)
 
     def close(self) -> None:
-        """Its hooks are gone: give the turn away and leave the scheduler as it found it."""
+        """Its hooks are gone: give the turn away."""
         global _turn
         if _turn is not None and _turn() is self:
             _turn = None
         _tuners.discard(self)
-        self.scheduler.bypass_outside_forward = None
-        self.scheduler.layout_by_tuner = False
 
-    def record(self, decision: Decision = "pending") -> Tuning:
+    def record(self) -> Tuning:
         """The tuning so far (step times read only from marks the device has passed)."""
-        plan = tuple(s.ms for s in self._closed if s.arm == "plan" and s.ms is not None)
-        plain = tuple(s.ms for s in self._closed if s.arm == "plain" and s.ms is not None)
-        return Tuning(decision, plan, plain, self.clock.device_name)
+        racing = [s for s in self._closed if s.stage == "racing"]
+        arms = tuple(_timing(arm, racing) for arm in self.arms)
+        confirmation: tuple[ArmTiming, ...] = ()
+        confirming = [s for s in self._closed if s.stage == "confirming"]
+        if self._confirming is not None:
+            confirmation = tuple(
+                _timing(arm, confirming) for arm in (self.arms[0], self._confirming)
+            )
+        shapes = len({s.shape for s in self._closed if s.ms is not None})
+        return Tuning(
+            self.decision,
+            arms,
+            self.clock.device_name,
+            confirmation,
+            shapes,
+            self._stage,
+            self.why,
+        )
 
     # --- hooks ----------------------------------------------------------------------
 
     def pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """The root pre-hook (registered as is): choose the arm of this forward."""
-        if torch.compiler.is_compiling():
-            return
-        calls = thread_state.calls
-        if not calls or calls[-1].module is not module or calls[-1].owner is not self.scheduler:
-            return  # the scheduler's pre-hook did not open this call
-        call = calls[-1]
-        self._choose_arm(module, call, args, kwargs)
-        accumulators = self.scheduler.accumulators
-        if accumulators is not None and call.bypass != "no_grad":
-            # Still before any op of the forward, now that the arm is known: release the
-            # accumulators the previous forward made if it ran on other streams.
-            accumulators.begin(module, "inline" if call.bypass is not None else "planned")
+        """The root pre-hook (registered as is): choose the arm, then open the call as
+        that arm's scheduler does."""
+        scheduler = self.scheduler
+        if not torch.compiler.is_compiling():
+            scheduler = self._choose_arm(module, args, kwargs)
+        if scheduler is not None:
+            scheduler._root_pre_hook(module, args, kwargs)
+        elif not torch.compiler.is_compiling():
+            if torch.is_grad_enabled() and eager_bypass_reason() is None:
+                self.accumulators.begin(module, "inline")
+            else:
+                self.accumulators.enter()
 
-    def _choose_arm(self, module: nn.Module, call: RootCall, args: Any, kwargs: Any) -> None:
-        """1.-3.: time the step this forward starts or continues, and choose its arm."""
-        calls = thread_state.calls
-        if self._frames and not any(c.module is module for c in calls[:-1]):
+    def _choose_arm(self, module: nn.Module, args: Any, kwargs: Any) -> RootHooks | None:
+        """1.-3.: time the step this forward starts or continues, and choose its arm;
+        the scheduler of the arm that runs it."""
+        if self._frames and module_calls_on_stack()[id(module)] <= len(self._frames):
             # Left by a forward a BaseException (KeyboardInterrupt) ended: its post-hook
-            # never ran, so the open step's marks are incomplete.
+            # never ran, so the open step's marks are incomplete. (The calls running
+            # include this one, whose frame is not pushed yet.)
             self._frames.clear()
             if self._open is not None:
                 self._open.arm = None
-        if self._frames:  # called inside its own forward: part of the step in flight
-            if self._frames[0].plain:
-                call.bypass = Reason.TUNING  # 2. inline as the whole plain step is
-            self._frames.append(_Frame(module, None, skipped=True))
-            return
-        if thread_state.recomputing is not None:
-            # 1. A checkpoint around the model recomputing it in backward: part of the
-            # step whose forward it replays, in that step's arm; no mark.
-            if self._frames_plain:
-                call.bypass = Reason.TUNING
-            self._frames.append(_Frame(module, None, skipped=True))
-            return
+        if self._frames or thread_state.recomputing is not None:
+            # Called inside its own forward, or a checkpoint around the model recomputing
+            # it in backward: part of the step in flight, in its arm; no mark.
+            self._frames.append(_Frame(module, None, self.scheduler, skipped=True))
+            return self.scheduler
         training = torch.is_grad_enabled()
         if training and not self._my_turn():
-            self._run_planned()  # 6. another model is tuning: this one runs its plan, untimed
-            return
-        backend = self.backend
-        stream = backend.current_stream(self.device)
-        if backend.is_capturing(stream):
-            # 3. No timing event in a capture: the open step cannot be timed. The graph
-            # holds the planned arm, so its backward must recompute as planned too.
+            return self.scheduler  # 6. another model is tuning: this arm runs, untimed
+        stream = self.backend.current_stream(self.device)
+        if self.backend.is_capturing(stream):
+            # 3. No timing event in a capture: the open step cannot be timed.
             if self._open is not None:
                 self._open.arm = None
-            self._run_planned()
-            self._frames.append(_Frame(module, None, skipped=True))
+            if self.active.is_plain and len(self.arms) > 1:
+                self._activate(self.arms[1])  # the graph holds the best-estimated arm
+            self._frames.append(_Frame(module, None, self.scheduler, skipped=True))
             self._report_capture()
-            return
+            return self.scheduler
         if not training:
             # 3. An evaluation forward: its marks cut it out of the open step.
             if self._open is not None:
                 self._open.marks.append(self.clock.mark(stream))
-            self._frames.append(_Frame(module, None))
-            return
+            self._frames.append(_Frame(module, None, self.scheduler))
+            return self.scheduler
+        eligible = eager_bypass_reason() is None
         step = self._open
         if step is not None and self._continues(step):
             # 1. Another forward of the step in flight: same arm, no mark.
-            if not (call.bypass is None and self._same_shapes(args, kwargs)):
+            if not eligible:
                 step.arm = None
-            plain = self._frames_plain
-            if plain:
-                call.bypass = Reason.TUNING
-            self._frames.append(_Frame(module, step, plain=plain))
-            return
+            self._frames.append(_Frame(module, step, self.scheduler))
+            return self.scheduler
         # 1. This mark ends the open step and starts a new one.
         mark = self.clock.mark(stream)
         self._optimizer_steps_at_mark = _optimizer_steps
@@ -252,32 +276,42 @@ class Tuner:
             if step.arm is not None and len(step.marks) % 2 == 0:
                 self._closed.append(step)
         self._opened += 1
-        arm = self._arm_for(call.bypass is None and self._same_shapes(args, kwargs))
-        plain = arm == "plain"
-        if plain:
-            call.bypass = Reason.TUNING  # 2. every stage call of this forward runs inline
-        # 2. ...and a checkpoint's recomputation in this step's backward too.
-        self.scheduler.bypass_outside_forward = Reason.TUNING if plain else None
-        self._frames_plain = plain
-        self._open = _Step(arm if arm in self._warmed else None, [mark])
-        if arm is not None:
-            self._warmed.add(arm)
-        self._frames.append(_Frame(module, self._open, plain=plain))
+        self._opened_in_stage += 1
+        shape = _shape_of(args, kwargs)
+        arm: Arm | None = None
+        if eligible:
+            turn = self._rotation.get(shape, 0)
+            self._rotation[shape] = turn + 1
+            arm = self._racing[turn % len(self._racing)]
+            self._activate(arm)
+            if (arm.name, shape) not in self._warmed:
+                self._warmed.add((arm.name, shape))
+                arm = None  # 2. its warm-up
+        self._open = _Step(arm, shape, self._stage, [mark])
+        self._frames.append(_Frame(module, self._open, self.scheduler))
+        return self.scheduler
 
-    def post_hook(self, module: nn.Module) -> Decision:
-        """The root post-hook: the decision, once made after a forward that returned (5.)."""
-        if torch.compiler.is_compiling() or not self._frames:
-            return "pending"
-        if self._frames[-1].module is not module:
-            return "pending"
-        frame = self._frames.pop()
+    def post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> bool:
+        """The root post-hook: close the call as its scheduler does; whether the decision
+        was made now (5.), after a forward that returned."""
+        frame = self._frames[-1] if self._frames else None
+        if frame is not None and frame.module is not module:
+            frame = None
+        scheduler = self.scheduler if frame is None else frame.scheduler
+        if scheduler is not None:
+            scheduler._root_post_hook(module, args, kwargs, output)
+        elif not torch.compiler.is_compiling():
+            self.accumulators.end(module)
+        if torch.compiler.is_compiling() or frame is None:
+            return False
+        self._frames.pop()
         if frame.skipped:
-            return "pending"
+            return False
         if frame.step is None:
             if self._open is not None:  # else no step is open to cut it out of
                 stream = self.backend.current_stream(self.device)
                 self._open.marks.append(self.clock.mark(stream))
-            return "pending"
+            return False
         error = sys.exc_info()[1]
         if error is not frame.outer_exception:
             # 3. A forward that raised counts nothing (a checkpoint's early stop is no
@@ -285,7 +319,7 @@ class Tuner:
             # runs the hooks from the live dict).
             if error is None or not is_checkpoint_early_stop(error):
                 frame.step.arm = None
-            return "pending"
+            return False
         return self._decide()
 
     def optimizer_stepped(self, optimizer: Optimizer) -> None:
@@ -312,10 +346,10 @@ class Tuner:
         stepped = _optimizer_steps != self._optimizer_steps_at_start
         return stepped and _optimizer_steps == self._optimizer_steps_at_mark
 
-    def _run_planned(self) -> None:
-        """This forward runs the plan, untimed: so does what its backward recomputes."""
-        self.scheduler.bypass_outside_forward = None
-        self._frames_plain = False
+    def _activate(self, arm: Arm) -> None:
+        if arm is not self.active:
+            self.scheduler = self.switch(arm)
+            self.active = arm
 
     def _my_turn(self) -> bool:
         """6. Whether this tuner may time this step: its turn, or a free or idle one."""
@@ -334,35 +368,65 @@ class Tuner:
 
     # --- measuring and deciding -------------------------------------------------------
 
-    def _arm_for(self, eligible: bool) -> Arm | None:
-        """The next arm for an eligible forward (alternating), else ``None``."""
-        if not eligible:
-            return None
-        arm = self._next_arm
-        self._next_arm = "plan" if arm == "plain" else "plain"
-        return arm
-
-    def _same_shapes(self, args: Any, kwargs: Any) -> bool:
-        shapes = [(t.shape, t.dtype) for t in tensors_in(args) + tensors_in(kwargs)]
-        if self._shapes is None:
-            self._shapes = shapes
-        return shapes == self._shapes
-
-    def _decide(self) -> Decision:
-        counted = self._closed
-        per_arm = min(sum(step.arm == arm for step in counted) for arm in ("plan", "plain"))
-        # Also final after many forwards that mostly did not count (shapes that keep
-        # changing, forwards that raise): tuning ends, on what it could measure.
-        final = per_arm >= MAX_ROUNDS * self.steps or self._opened >= 4 * MAX_ROUNDS * self.steps
-        if final and counted and not self._synced:
-            # 4. The one host sync of a tuning: wait for the last mark of the last step.
-            self._synced = True
+    def _decide(self) -> bool:
+        """4. Read what the device has passed; move on from racing or confirming."""
+        stage = self._stage
+        counted = [s for s in self._closed if s.stage == stage]
+        per_arm = min(sum(s.arm is arm for s in counted) for arm in self._racing)
+        # Also final after many forwards that mostly did not count (shapes never seen
+        # twice, forwards that raise): the round ends, on what it could measure.
+        limit = MAX_ROUNDS * self.steps
+        final = per_arm >= limit or self._opened_in_stage >= 4 * limit * len(self._racing)
+        if final and counted and stage not in self._synced:
+            # The one host sync of a round: wait for the last mark of its last step.
+            self._synced.add(stage)
             self.clock.synchronize(counted[-1].marks[-1])
         for step in counted:
             if step.ms is None and all(self.clock.done(mark) for mark in step.marks):
                 step.ms = self._elapsed(step.marks)
-        record = self.record()
-        return decide(record.plan_ms, record.plain_ms, self.steps, final=final)
+        timings = {arm.name: _timing(arm, counted) for arm in self._racing}
+        plain = timings[self.arms[0].name].relative
+        verdicts = {
+            arm.name: compare(timings[arm.name].relative, plain, self.steps, final=final)
+            for arm in self._racing[1:]
+        }
+        if stage == "confirming":
+            (verdict,) = verdicts.values()
+            if verdict == "pending":
+                return False
+            winner = self._racing[1]
+            if verdict == "faster":
+                return self._decided(winner, "faster than plain in the race and confirmed alone")
+            return self._decided(self.arms[0], f"{winner.name} was not faster when confirmed alone")
+        # Racing: arms measured slower than plain leave; the rest race on while unclear.
+        if not final:
+            self._racing = [arm for arm in self._racing if verdicts.get(arm.name) != "not_faster"]
+            if len(self._racing) == 1:
+                return self._decided(self.arms[0], "no arm was faster than plain")
+            if any(v == "pending" for name, v in verdicts.items() if self._in_race(name)):
+                return False
+        faster = [arm for arm in self._racing[1:] if verdicts[arm.name] == "faster"]
+        if not faster:
+            why = "no arm was faster than plain" if counted else "nothing could be timed"
+            return self._decided(self.arms[0], why)
+        self._confirm(_best(faster, timings))
+        return False
+
+    def _in_race(self, name: str) -> bool:
+        return any(arm.name == name for arm in self._racing)
+
+    def _confirm(self, winner: Arm) -> None:
+        """The winner alone against plain, on fresh steps."""
+        self._stage, self._racing = "confirming", [self.arms[0], winner]
+        self._confirming = winner
+        self._opened_in_stage = 0
+        self._rotation.clear()
+        if self._open is not None:
+            self._open.arm = None  # opened in the race
+
+    def _decided(self, arm: Arm, why: str) -> bool:
+        self.decision, self.why, self._stage = arm.name, why, "decided"
+        return True
 
     def _elapsed(self, marks: list[Mark]) -> float:
         """The step's time: start to end, less each evaluation forward cut out."""
@@ -377,9 +441,49 @@ class Tuner:
             OOOEvent(
                 EventKind.TUNED,
                 "not_finished",
-                "a graph capture began before tuning decided, so the graph holds the planned "
-                "arm; run eager training steps until model.tuning is decided before capturing "
-                "(or wrap with tune=False)",
+                "a graph capture began before tuning decided, so the graph holds the "
+                f"{self.active.name} arm; run eager training steps until model.tuning is "
+                "decided before capturing (or wrap with tune=False)",
             ),
             level=logging.INFO,
         )
+
+
+def _shape_of(args: Any, kwargs: Any) -> Shape:
+    return tuple((t.shape, t.dtype) for t in tensors_in(args) + tensors_in(kwargs))
+
+
+def _timing(arm: Arm, steps: Sequence[_Step]) -> ArmTiming:
+    """``arm``'s counted steps, each also relative to plain's median at its shape."""
+    timed = [s for s in steps if s.ms is not None]
+    plain_at: dict[Shape, list[float]] = {}
+    for step in timed:
+        if step.arm is not None and step.arm.is_plain:
+            plain_at.setdefault(step.shape, []).append(step.ms)  # type: ignore[arg-type]
+    medians = {shape: statistics.median(ms) for shape, ms in plain_at.items()}
+    mine = [s for s in timed if s.arm is arm]
+    relative = tuple(
+        s.ms / medians[s.shape]  # type: ignore[operator]
+        for s in mine
+        if s.shape in medians and medians[s.shape] > 0
+    )
+    return ArmTiming(
+        arm.name,
+        tuple(s.ms for s in mine),  # type: ignore[misc]
+        relative,
+        arm.estimate_us,
+        arm.estimate_gpu,
+    )
+
+
+def _best(faster: Sequence[Arm], timings: dict[str, ArmTiming]) -> Arm:
+    """The fastest arm; among those within the noise of it, the simplest."""
+
+    def median(arm: Arm) -> float:
+        value = timings[arm.name].median_relative
+        return value if value is not None else float("inf")
+
+    fastest = min(median(arm) for arm in faster)
+    spread = max((timings[arm.name].spread or 0.0) for arm in faster)
+    close = [arm for arm in faster if median(arm) <= fastest * (1 + max(spread, 0.02))]
+    return min(close, key=Arm.simplicity)

@@ -1,28 +1,80 @@
 """What measured tuning decides from step times, and how ``model.tuning`` reports it.
 
-Pure statistics on the counted step times of the two arms (``tune.py`` times them): the
-plan is kept only if its median step beats the plain median by more than the noise (2 %
-and the larger arm's interquartile range over its median), plain wins when the plan is
-slower by as much, and in between more pairs run, up to ``MAX_ROUNDS`` times the steps.
+Pure statistics on counted step times (``tune.py`` times them). Steps are compared
+within an input shape: each counted step is divided by the median plain step of its
+shape, so a loop over several sequence lengths compares arms without assuming how the
+step grows with the input (attention grows quadratically). With one shape that is the
+plain comparison of step times.
+
+An arm beats plain only if its median relative step is below plain's by more than the
+noise (``MIN_GAIN`` and either arm's interquartile range over its median); plain wins
+when the arm is slower by as much; in between more rounds run, up to ``MAX_ROUNDS``
+times the steps, then plain wins. Anything unmeasured keeps plain.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .._events import EventKind, OOOEvent
 
-__all__ = ["MAX_ROUNDS", "MIN_GAIN", "Decision", "Tuning", "decide", "slower_why", "tuned_event"]
-
-Decision = Literal["pending", "plan", "plain"]
+__all__ = [
+    "MAX_ROUNDS",
+    "MIN_GAIN",
+    "ArmTiming",
+    "Tuning",
+    "Verdict",
+    "compare",
+    "kept_event",
+    "slower_why",
+]
 
 # The smallest gain worth side streams: below it, run-to-run noise on a busy host and the
 # risk of a worse step on another batch outweigh it.
 MIN_GAIN = 0.02
-# How many times tune_steps pairs may run while the evidence is unclear.
+# How many times tune_steps rounds may run while the evidence is unclear.
 MAX_ROUNDS = 3
+
+Verdict = Literal["pending", "faster", "not_faster"]
+Stage = Literal["racing", "confirming", "decided"]
+
+
+@dataclass(frozen=True)
+class ArmTiming:
+    """One arm's measurements.
+
+    Attributes:
+        name: the arm (``"plain"``, ``"regions"``, ``"wgrad"``, ...).
+        step_ms: its counted step times in milliseconds, in order (every shape).
+        relative: each counted step over plain's median step at the same input shape
+            (what arms are compared on); empty until plain has a step at that shape.
+        estimate_us: the simulator's estimate of its step in µs on the reference GPU
+            ``estimate_gpu`` (an estimate, not a measurement), or ``None``.
+    """
+
+    name: str
+    step_ms: tuple[float, ...] = ()
+    relative: tuple[float, ...] = ()
+    estimate_us: float | None = None
+    estimate_gpu: str | None = None
+
+    @property
+    def median_ms(self) -> float | None:
+        """The median counted step, or ``None`` before one was counted."""
+        return statistics.median(self.step_ms) if self.step_ms else None
+
+    @property
+    def median_relative(self) -> float | None:
+        """The median step relative to plain at the same shape (plain: about 1)."""
+        return statistics.median(self.relative) if self.relative else None
+
+    @property
+    def spread(self) -> float | None:
+        """The interquartile range of the relative steps over their median."""
+        return _spread(self.relative) if len(self.relative) >= 2 else None
 
 
 @dataclass(frozen=True)
@@ -30,94 +82,134 @@ class Tuning:
     """What measured tuning found for one wrapped model (``model.tuning``).
 
     Attributes:
-        decision: ``"pending"`` while measuring, ``"plan"`` if the plan was kept,
-            ``"plain"`` if the plain model was faster or not clearly slower.
-        plan_ms: the counted step times with the plan, in milliseconds, in order.
-        plain_ms: the counted step times of the plain model.
+        decision: ``"pending"`` while measuring, else the name of the arm kept
+            (``"plain"``: the model runs as if unwrapped).
+        arms: every arm raced, plain first, with its step times.
+        confirmation: the final round of the best arm against plain, each with only its
+            own hooks (empty if no arm reached it).
         device: the name of the device the steps were timed on.
+        shapes: how many input shapes the counted steps had (arms were compared within
+            each shape).
+        stage: ``"racing"``, ``"confirming"`` or ``"decided"``.
+        why: why the decision was made (empty while pending).
     """
 
-    decision: Decision
-    plan_ms: tuple[float, ...]
-    plain_ms: tuple[float, ...]
+    decision: str
+    arms: tuple[ArmTiming, ...]
     device: str
+    confirmation: tuple[ArmTiming, ...] = ()
+    shapes: int = 0
+    stage: Stage = "racing"
+    why: str = field(default="")
 
-    @property
-    def plan_median_ms(self) -> float | None:
-        """The median planned step, or ``None`` before one was counted."""
-        return statistics.median(self.plan_ms) if self.plan_ms else None
-
-    @property
-    def plain_median_ms(self) -> float | None:
-        """The median plain step, or ``None`` before one was counted."""
-        return statistics.median(self.plain_ms) if self.plain_ms else None
+    def arm(self, name: str) -> ArmTiming | None:
+        """The racing record of the arm ``name``, or ``None``."""
+        return next((arm for arm in self.arms if arm.name == name), None)
 
     @property
     def speedup(self) -> float | None:
-        """Plain median over planned median (above 1: the plan is faster)."""
-        plan, plain = self.plan_median_ms, self.plain_median_ms
-        return plain / plan if plan and plain is not None else None
+        """Plain's median step over the best arm's (above 1: that arm is faster): from the
+        confirmation round if one ran, else from the race; ``None`` if nothing compared."""
+        if len(self.confirmation) == 2:
+            plain, best = (arm.median_relative for arm in self.confirmation)
+        else:
+            raced = [arm.median_relative for arm in self.arms[1:] if arm.median_relative]
+            plain, best = (
+                self.arms[0].median_relative if self.arms else None,
+                min(raced, default=None),
+            )
+        return plain / best if plain and best else None
+
+    @property
+    def compared(self) -> str:
+        """How steps were compared."""
+        if self.shapes <= 1:
+            return "step times at one input shape"
+        return f"each step against plain's median at its input shape ({self.shapes} shapes)"
 
     def __str__(self) -> str:
-        counts = f"{len(self.plan_ms)} planned and {len(self.plain_ms)} plain steps"
+        head = f"tuning on {self.device}: "
         if self.decision == "pending":
-            return f"tuning on {self.device}: pending ({counts} measured so far)"
-        verdict = "plan kept" if self.decision == "plan" else "plain model kept"
-        if self.speedup is None:
-            return f"tuning on {self.device}: {verdict}, unmeasured ({counts}: too few)"
-        return (
-            f"tuning on {self.device}: {verdict}, {self.speedup:.2f}x: median step "
-            f"{self.plan_median_ms:.3f} ms planned vs {self.plain_median_ms:.3f} ms plain "
-            f"({counts}, measured)"
-        )
+            head += f"pending ({self.stage})"
+        else:
+            head += f"{self.decision} kept" + (f": {self.why}" if self.why else "")
+        rows = [("arm", "steps", "median ms", "vs plain", "spread", "estimate")]
+        for arm in self.arms:
+            kept = " *" if arm.name == self.decision else ""
+            rows.append(
+                (
+                    arm.name + kept,
+                    str(len(arm.step_ms)),
+                    _fmt(arm.median_ms, ".3f"),
+                    _fmt(arm.median_relative, ".3f"),
+                    _fmt(arm.spread, ".1%"),
+                    "-"
+                    if arm.estimate_us is None
+                    else f"{arm.estimate_us:.0f} µs on {arm.estimate_gpu} (estimate)",
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = [head, f"compared: {self.compared}"]
+        for row in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if self.confirmation:
+            figures = ", ".join(
+                f"{arm.name} {_fmt(arm.median_relative, '.3f')} ({len(arm.relative)} steps)"
+                for arm in self.confirmation
+            )
+            lines.append(f"confirmation round (each arm alone): {figures}")
+        return "\n".join(lines)
 
 
-def decide(
-    plan_ms: tuple[float, ...], plain_ms: tuple[float, ...], steps: int, *, final: bool
-) -> Decision:
-    """The decision for these step times; ``final`` when no more pairs may run."""
-    if not final and min(len(plan_ms), len(plain_ms)) < steps:
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def compare(arm: Sequence[float], plain: Sequence[float], steps: int, *, final: bool) -> Verdict:
+    """Whether the arm's relative steps beat plain's; ``final`` when no more may run."""
+    if not final and min(len(arm), len(plain)) < steps:
         return "pending"
-    if len(plan_ms) < 2 or len(plain_ms) < 2:
-        return "plan"  # nothing measured against the plan: it stands, said unmeasured
-    plan, plain = statistics.median(plan_ms), statistics.median(plain_ms)
-    margin = max(MIN_GAIN, _spread(plan_ms), _spread(plain_ms))
-    if plan < plain * (1 - margin):
-        return "plan"
-    if final or plan > plain * (1 + margin):
-        return "plain"
+    if len(arm) < 2 or len(plain) < 2:
+        return "not_faster"  # unmeasured: plain stands
+    mine, theirs = statistics.median(arm), statistics.median(plain)
+    margin = max(MIN_GAIN, _spread(arm), _spread(plain))
+    if mine < theirs * (1 - margin):
+        return "faster"
+    if final or mine > theirs * (1 + margin):
+        return "not_faster"
     return "pending"
 
 
-def _spread(times: tuple[float, ...]) -> float:
+def _spread(times: Sequence[float]) -> float:
     """Interquartile range over the median."""
     quartiles = statistics.quantiles(times, n=4)
     return (quartiles[2] - quartiles[0]) / quartiles[1] if quartiles[1] > 0 else float("inf")
 
 
 def _figures(record: Tuning) -> str:
+    if len(record.confirmation) == 2:
+        plain, best = record.confirmation
+        where = "in the confirmation round"
+    else:
+        raced = [arm for arm in record.arms[1:] if arm.median_relative is not None]
+        if not raced or record.arms[0].median_ms is None:
+            return f"no arm could be timed against plain on {record.device}"
+        plain, best = record.arms[0], min(raced, key=lambda arm: arm.median_relative or 0.0)
+        where = "in the race"
     return (
-        f"median step {record.plan_median_ms:.3f} ms with the plan vs "
-        f"{record.plain_median_ms:.3f} ms plain ({record.speedup:.2f}x, "
-        f"{len(record.plan_ms)} and {len(record.plain_ms)} steps measured on "
-        f"{record.device})"
+        f"{where}, median step {best.median_ms:.3f} ms with {best.name} vs "
+        f"{plain.median_ms:.3f} ms plain ({record.speedup:.2f}x, {len(best.step_ms)} and "
+        f"{len(plain.step_ms)} steps measured on {record.device})"
     )
 
 
 def slower_why(record: Tuning) -> str:
     """Why a ``measured_slower`` model runs plain: the figures."""
-    return f"{_figures(record)}: the plan was not measurably faster than the plain model"
+    return f"{_figures(record)}: {record.why}"
 
 
-def tuned_event(record: Tuning) -> OOOEvent:
-    """The ``TUNED`` event of a decided ``record`` that keeps the plan (measured or not)."""
-    if record.speedup is None:
-        return OOOEvent(
-            EventKind.TUNED,
-            "unmeasured",
-            f"too few steps could be timed on {record.device} ({len(record.plan_ms)} "
-            f"planned, {len(record.plain_ms)} plain: input shapes kept changing, or "
-            "forwards raised): the plan is kept, unmeasured; model.retune() "
-            "measures again",
-        )
-    return OOOEvent(EventKind.TUNED, "kept", f"{_figures(record)}: the plan is kept")
+def kept_event(record: Tuning) -> OOOEvent:
+    """The ``TUNED`` event of a decided ``record`` that keeps an arm other than plain."""
+    return OOOEvent(
+        EventKind.TUNED, "kept", f"{_figures(record)}: {record.decision} is kept ({record.why})"
+    )

@@ -1,0 +1,47 @@
+"""The simulator's estimate of each candidate arm's step, to order them before racing.
+
+An estimate on a reference GPU from one observed forward (``_planner/simulate.py``),
+never a measurement: it only orders the candidates; the device decides among them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .._plan import Plan
+from .._planner.cost import ReferenceGPU
+from .._planner.learned_plan import learned_of
+from .._planner.placement import named_chain
+from .._planner.simulate import simulate, step_ops
+
+__all__ = ["ArmEstimate", "arm_estimate", "forms_chain"]
+
+# (stages, split) -> (estimated step in µs, reference GPU), or None where not estimated.
+ArmEstimate = Callable[[Plan, bool], "tuple[float, str] | None"]
+
+
+def arm_estimate(learned: Plan, gpu: ReferenceGPU) -> ArmEstimate:
+    """Estimates from the forward ``learned`` (a dataflow plan) was learned from; none
+    for a plan with no observed forward (the static planner's) or with the split, which
+    the simulator does not price."""
+    found = learned_of(learned)
+    record = None if found is None else found.record
+
+    def estimate(plan: Plan, split: bool) -> tuple[float, str] | None:
+        if record is None or split:
+            return None
+        streams = {stage.name: stage.stream for stage in plan.stages}
+        ids = {call.call_id: streams[call.name] for call in record.calls() if call.name in streams}
+        return simulate(step_ops(record, ids, gpu, one_stream=not ids)).length_us, gpu.name
+
+    return estimate
+
+
+def forms_chain(learned: Plan, stages: Plan) -> bool:
+    """Whether ``stages`` form one chain in the forward ``learned`` was learned from (each
+    stage reads what the one before wrote): then no two stages run at once, forward or
+    backward, on any GPU, and such a plan can only add forks and joins to plain."""
+    found = learned_of(learned)
+    if found is None or found.record is None:
+        return False
+    return bool(named_chain(found.record, [stage.name for stage in stages.stages]))
