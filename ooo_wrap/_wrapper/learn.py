@@ -64,7 +64,7 @@ def _learned(
     streams: int,
     named: Plan | None,
     gpu: ReferenceGPU,
-    by_simulation: bool,
+    by_simulation: bool | None,
 ) -> Plan:
     names = None if named is None else [stage.name for stage in named.stages]
     source: StageSource = "dataflow" if named is None else named.source
@@ -97,9 +97,10 @@ class Learner:
         *,
         gpu: ReferenceGPU | None = None,
         log: EventLog | None = None,
-        by_simulation: bool = True,
+        by_simulation: bool | None = None,
     ) -> None:
-        self._by_simulation = by_simulation  # keep only regions the estimate says pay
+        # Keep only regions the estimate says pay (None: the planner's default).
+        self._by_simulation = by_simulation
         self._counters = counters
         self._accumulators = accumulators
         self._gpu = gpu  # None: the default reference, read when learning

@@ -171,7 +171,7 @@ class WrapState:
     def retune(self, model: nn.Module) -> None:
         """Race the candidate arms again, from the next forward."""
         self._refuse_inside_forward(model, "retune()")
-        if not self._tunes(model):
+        if not self.tunes(model):
             raise OOOConfigError(
                 "retune() measures the plan on the device, but this model does not tune "
                 "(tune=False, or its backend cannot time steps); wrap it with tune=True on an "
@@ -241,9 +241,10 @@ class WrapState:
                 self.accumulators,
                 gpu=options.gpu,
                 log=self.log,
-                # Where the device decides, every region the rule finds is a candidate;
-                # else the simulator keeps only those its estimate says pay.
-                by_simulation=not self._tunes(model),
+                # Where the device decides (or an arm is pinned), every region the rule
+                # finds is a candidate; else the planner's default (the simulator keeps
+                # only the regions its estimate says pay).
+                by_simulation=False if self.tunes(model) or options.tune_arm else None,
             )
             hooks = self._hooks["learner"]
             hooks.append(
@@ -286,7 +287,10 @@ class WrapState:
         elif found is not None:
             for event in learned_events(the_plan):
                 self.log.add(event, level=logging.INFO)
-        self._begin(model, the_plan, failure)
+        try:
+            self._begin(model, the_plan, failure)
+        except Exception as error:
+            self._stop(Reason.SETUP_FAILED, f"setup failed ({type(error).__name__}: {error})")
 
     def _begin(self, model: nn.Module, the_plan: Plan, failure: str | None) -> None:
         """A plan is known: race its candidate arms where the device can time steps (or
@@ -300,14 +304,11 @@ class WrapState:
         if (reason := self.backend.unsupported_reason(device)) is not None:
             self._stop(reason, f"the stages' device {device} has no side streams")
             return
-        try:
-            if self._tunes(model) or self.options.tune_arm is not None:
-                self.arms = (plain_arm(the_plan), *self._candidates(model, the_plan, failure))
-                self._race_or_pin(model)
-            else:
-                self._run_as_planned(model, the_plan, failure)
-        except Exception as error:
-            self._stop(Reason.SETUP_FAILED, f"setup failed ({type(error).__name__}: {error})")
+        if self.tunes(model) or self.options.tune_arm is not None:
+            self.arms = (plain_arm(the_plan), *self._candidates(model, the_plan, failure))
+            self._race_or_pin(model)
+        else:
+            self._run_as_planned(model, the_plan, failure)
 
     def _candidates(self, model: nn.Module, the_plan: Plan, failure: str | None) -> tuple[Arm, ...]:
         options = self.options
@@ -357,15 +358,6 @@ class WrapState:
             self._stop_without_stages(None)
             return
         self._schedule(model, Arm("plan", the_plan, split, self.options.overlap_forward))
-        self.log.add(
-            OOOEvent(
-                EventKind.TUNED,
-                "unmeasured",
-                "this model does not tune (tune=False, or its backend cannot time steps): "
-                "the plan runs as the planner's estimate chose it, not measured",
-            ),
-            level=logging.INFO,
-        )
 
     def _stop_without_stages(self, found: LearnedPlan | None) -> None:
         if found is not None and found.outcome == "no_parallelism":
@@ -519,7 +511,7 @@ class WrapState:
             )
         self.phase = phase
 
-    def _tunes(self, model: nn.Module) -> bool:
+    def tunes(self, model: nn.Module) -> bool:
         """Whether the options tune and the backend can time steps on the model's device."""
         clock = clock_of(self.backend, devices(model)[0]) if devices(model) else None
         return self.options.tune is not False and clock is not None

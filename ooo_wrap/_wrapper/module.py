@@ -370,8 +370,10 @@ def _install(
             "plan to be learned from the dataflow of the first training forward, which runs "
             f"inline (at most {plural(options.streams, 'side stream')}; {learn_on}"
         )
+    untuned = not state.tunes(model) and options.tune_arm is None
+    unmeasured = "; not tuned: the planner's choice runs, nothing is measured" if untuned else ""
     log.add(
-        OOOEvent(EventKind.ENABLED, backend.name, f"{what}, {backend.name} backend)"),
+        OOOEvent(EventKind.ENABLED, backend.name, f"{what}, {backend.name} backend){unmeasured}"),
         level=logging.INFO,
     )
     return model

@@ -273,6 +273,7 @@ def test_tied_embeddings_across_two_stages_pass_the_race_check() -> None:
     )
     assert report.ok, str(report)
     assert report.notes == (
-        "enabled/simulated: 2 stages on 2 side streams (cpu, simulated backend)",
+        "enabled/simulated: 2 stages on 2 side streams (cpu, simulated backend); not tuned: "
+        "the planner's choice runs, nothing is measured",
     )
     assert ooo_wrap.plan(tiny_gpt2(), 2).stages[1].name == "lm_head"
