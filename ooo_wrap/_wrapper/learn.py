@@ -40,7 +40,14 @@ from .._runtime.bypass import eager_bypass_reason
 from .._runtime.inflight import handled_exception
 from .._stats import Counters
 
-__all__ = ["Learned", "Learner", "learned_events", "pending_plan", "removed_before_learning"]
+__all__ = [
+    "Learned",
+    "Learner",
+    "learned_events",
+    "learning_events",
+    "pending_plan",
+    "removed_before_learning",
+]
 
 logger = logging.getLogger("ooo_wrap")
 
@@ -357,3 +364,22 @@ def _uninitialized(module: nn.Module) -> bool:
     """Whether ``module`` has a lazy parameter or buffer not initialized yet."""
     lazy = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
     return any(isinstance(t, lazy) for t in (*module.parameters(), *module.buffers()))
+
+
+def learning_events(
+    the_plan: Plan, failure: str | None, removed: Sequence[str]
+) -> list[tuple[OOOEvent, int]]:
+    """The events (and log levels) of a plan just learned: named stages left out, a
+    fallback to the static plan, or what the planner found."""
+    events = [(removed_before_learning(name), logging.WARNING) for name in removed]
+    if failure is not None:
+        fallback = OOOEvent(
+            EventKind.PLANNED,
+            "static_fallback",
+            f"{failure}; using the static plan (stage names or automatic expansion, streams "
+            "round-robin)",
+        )
+        events.append((fallback, logging.WARNING))
+    elif learned_of(the_plan) is not None:
+        events += [(event, logging.INFO) for event in learned_events(the_plan)]
+    return events

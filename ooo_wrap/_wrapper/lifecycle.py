@@ -3,19 +3,11 @@
 A wrapped model is always in one :class:`Phase`, and only the transitions here add or
 remove the wrapper's hooks (``_remove`` is the one place they come off):
 
-- ``LEARNING``: the learner's root hooks (``dataflow``) until the first eligible training
-  forward returns; its plan moves the model to ``SCHEDULED`` (then ``TUNING``), or to
-  ``STOPPED`` when there is nothing to overlap or the plan cannot start.
-- ``SCHEDULED``: one arm's scheduler hooks (the stages' and the root's), and the split
-  layers' swapped classes where it runs with the weight-gradient split (``split.py``).
-- ``TUNING``: the tuner's root hooks and the hooks of the arm it times (``racing.py``),
-  until ``SCHEDULED`` (an arm kept, or a CUDA graph replays the forward: undecided) or
-  ``STOPPED`` (plain kept, ``measured_slower``).
-- ``STOPPED``: no hook at all: the model runs plain, still wrapped. ``UNWRAPPED``: final.
+Its phases, their hooks and the legal transitions are one table (``phases.py``).
 
 From outside: ``replan()`` moves any other phase to ``LEARNING``; ``retune()`` moves
 ``SCHEDULED`` and ``STOPPED`` (with candidates) to ``TUNING``; ``unwrap()`` moves any
-phase to ``UNWRAPPED``. ``_LEGAL`` is the table of transitions; any other raises. Those
+phase to ``UNWRAPPED``. Those
 three are refused inside a forward of the model and change nothing then. A transition
 that adds hooks and fails removes what it added and leaves the phase as it was before
 them (``replan()`` has taken the old hooks off by then, so a failure there leaves the
@@ -26,11 +18,10 @@ passed it), so the registry keyed weakly by the model keeps nothing alive.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,58 +30,23 @@ from torch.utils.hooks import RemovableHandle
 from .._errors import OOOConfigError, OOOError
 from .._events import EventKind, EventLog, OOOEvent
 from .._plan import Plan
-from .._planner.api import reference_gpu
-from .._planner.learned_plan import LearnedPlan, learned_of
-from .._planner.static import static_plan
 from .._reasons import Reason
 from .._runtime.accumulators import Accumulators
-from .._runtime.backend import Backend, Stream, clock_of
+from .._runtime.backend import Backend, clock_of
 from .._runtime.scheduler import Scheduler, running
-from .._runtime.variants import scheduler_class
-from .._runtime.wgrad import WeightGradSplit, split_layers
+from .._runtime.wgrad import split_layers
 from .._stats import Counters
-from .arms import Arm, candidates, plain_arm, raced
-from .estimates import arm_estimate, forms_chain
-from .learn import Learned, Learner, learned_events, pending_plan, removed_before_learning
+from .arms import Arm
+from .choice import choose
+from .learn import Learned, Learner, learning_events, pending_plan
 from .options import WrapOptions
-from .racing import ArmHooks
-from .split import devices, plan_device, split_alone, split_event, split_wanted
+from .phases import ALL, PARTS, Part, Phase, transition
+from .racing import ArmHooks, Schedulers
+from .split import devices, plan_device, split_event
 from .tune import Tuner
 from .tuning import Tuning, kept_event, slower_why
 
 __all__ = ["Phase", "WrapState", "devices"]
-
-
-class Phase(enum.Enum):
-    """Which hooks of the wrapper a wrapped model carries (see the module docstring)."""
-
-    LEARNING = "learning"
-    SCHEDULED = "scheduled"
-    TUNING = "tuning"
-    STOPPED = "stopped"
-    UNWRAPPED = "unwrapped"
-
-
-Part = Literal["learner", "scheduler", "tuner", "arm"]
-# Every legal transition: a phase -> the phases it may move to.
-_LEGAL: dict[Phase, frozenset[Phase]] = {
-    Phase.LEARNING: frozenset({Phase.SCHEDULED, Phase.TUNING, Phase.STOPPED, Phase.UNWRAPPED}),
-    Phase.SCHEDULED: frozenset({Phase.TUNING, Phase.LEARNING, Phase.STOPPED, Phase.UNWRAPPED}),
-    Phase.TUNING: frozenset({Phase.SCHEDULED, Phase.STOPPED, Phase.LEARNING, Phase.UNWRAPPED}),
-    Phase.STOPPED: frozenset(
-        {Phase.LEARNING, Phase.SCHEDULED, Phase.TUNING, Phase.STOPPED, Phase.UNWRAPPED}
-    ),
-    Phase.UNWRAPPED: frozenset({Phase.UNWRAPPED}),  # closing twice changes nothing
-}
-# The parts whose hooks each phase carries (installed, and listed in handles, in _ALL order).
-_PARTS: dict[Phase, tuple[Part, ...]] = {
-    Phase.LEARNING: ("learner",),
-    Phase.SCHEDULED: ("scheduler",),
-    Phase.TUNING: ("tuner", "arm"),
-    Phase.STOPPED: (),
-    Phase.UNWRAPPED: (),
-}
-_ALL: tuple[Part, ...] = ("learner", "scheduler", "tuner", "arm")
 
 
 @dataclass(kw_only=True, eq=False)
@@ -117,17 +73,20 @@ class WrapState:
     racing: ArmHooks | None = field(default=None, init=False)  # the hooks of the arm timed
     # The arms measured tuning races (plain first); empty until there is a plan.
     arms: tuple[Arm, ...] = field(default=(), init=False)
-    _streams: list[Stream] = field(default_factory=list, init=False)  # shared by the arms
     # The last tuning, as far as it got; None if it never tuned.
     decided: Tuning | None = field(default=None, init=False)
     _hooks: dict[Part, list[RemovableHandle]] = field(
-        default_factory=lambda: {part: [] for part in _ALL}, init=False
+        default_factory=lambda: {part: [] for part in ALL}, init=False
     )
+
+    def __post_init__(self) -> None:
+        parts = (self.backend, self.log, self.counters, self.accumulators)
+        self._schedulers = Schedulers(*parts, self.options.profile_ranges)
 
     @property
     def handles(self) -> list[RemovableHandle]:
         """Every hook of the wrapper on the model, in install order (a new list)."""
-        return [handle for part in _ALL for handle in self._hooks[part]]
+        return [handle for part in ALL for handle in self._hooks[part]]
 
     def events(self) -> tuple[OOOEvent, ...]:
         if self.scheduler is not None:
@@ -160,7 +119,7 @@ class WrapState:
         if self.phase is Phase.LEARNING:
             return  # not learned yet: the next training forward learns it anyway
         device = self.plan.devices[0] if self.plan.stages else devices(model)[0]
-        self._remove(*_ALL)
+        self._remove(*ALL)
         self._enter(Phase.STOPPED)
         self._learn(model, device)
         self.log.add(
@@ -184,7 +143,7 @@ class WrapState:
                 "retune() has no plan to measure: this model runs plain because "
                 f"{self._why_plain()}; model.replan() learns a plan again"
             )
-        self._remove(*_ALL)
+        self._remove(*ALL)
         self._enter(Phase.STOPPED)
         self._race(model, self.arms)
 
@@ -223,7 +182,7 @@ class WrapState:
 
     def close(self) -> None:
         """Remove every hook, whatever the phase (also to undo a wrap that failed)."""
-        self._remove(*_ALL)
+        self._remove(*ALL)
         self._enter(Phase.UNWRAPPED)
 
     # --- transitions the hooks make -----------------------------------------------------
@@ -271,120 +230,32 @@ class WrapState:
         self._remove("learner")
         self.plan = the_plan
         self._enter(Phase.STOPPED)
-        found = learned_of(the_plan)
-        for name in removed:
-            self.log.add(removed_before_learning(name), level=logging.WARNING)
-        if failure is not None:
-            self.log.add(
-                OOOEvent(
-                    EventKind.PLANNED,
-                    "static_fallback",
-                    f"{failure}; using the static plan (stage names or automatic expansion, "
-                    "streams round-robin)",
-                ),
-                level=logging.WARNING,
-            )
-        elif found is not None:
-            for event in learned_events(the_plan):
-                self.log.add(event, level=logging.INFO)
+        for event, level in learning_events(the_plan, failure, removed):
+            self.log.add(event, level=level)
         try:
             self._begin(model, the_plan, failure)
         except Exception as error:
             self._stop(Reason.SETUP_FAILED, f"setup failed ({type(error).__name__}: {error})")
 
     def _begin(self, model: nn.Module, the_plan: Plan, failure: str | None) -> None:
-        """A plan is known: race its candidate arms where the device can time steps (or
-        run the one pinned), else run it as the planner decided; ``STOPPED`` if nothing
-        can run on a side stream."""
+        """A plan is known: race its arms, run one, or stop (``choice.py``)."""
         self.plan = the_plan
-        if len(the_plan.devices) > 1:
-            self._stop(Reason.MULTI_DEVICE, "stages span several devices")
-            return
-        device = plan_device(model, the_plan)
-        if (reason := self.backend.unsupported_reason(device)) is not None:
-            self._stop(reason, f"the stages' device {device} has no side streams")
-            return
-        if self.tunes(model) or self.options.tune_arm is not None:
-            self.arms = (plain_arm(the_plan), *self._candidates(model, the_plan, failure))
-            self._race_or_pin(model)
+        choice = choose(model, the_plan, failure, self.options, self.backend, self.tunes(model))
+        self.arms = choice.arms
+        if choice.race:
+            self._race(model, choice.arms)
+        elif choice.run is not None:
+            self._schedule(model, choice.run)
+            if choice.why:
+                event = OOOEvent(EventKind.TUNED, "pinned", choice.why)
+                self.log.add(event, level=logging.INFO)
         else:
-            self._run_as_planned(model, the_plan, failure)
-
-    def _candidates(self, model: nn.Module, the_plan: Plan, failure: str | None) -> tuple[Arm, ...]:
-        options = self.options
-        plans = [("static" if failure or options.planner == "static" else "regions", the_plan)]
-        if plans[0][0] == "regions":
-            static = static_plan(model, options.streams, options.stages)
-            if not forms_chain(the_plan, static):  # a chain of stages can never be faster
-                plans.append(("static", static))
-        can_split = bool(split_layers(model, options.split_weight_grads_exclude))
-        found = candidates(
-            plans,
-            split=options.split_weight_grads,
-            can_split=can_split,
-            overlap=options.overlap_forward,
-            estimate=arm_estimate(the_plan, reference_gpu(options.gpu)),
-        )
-        return found if options.tune_arm is not None else raced(found, options.tune_arms)
-
-    def _race_or_pin(self, model: nn.Module) -> None:
-        pinned = self.options.tune_arm
-        if pinned is None and len(self.arms) > 1:
-            self._race(model, self.arms)
-            return
-        arm = next((arm for arm in self.arms if arm.name == pinned), None)
-        if arm is not None and not arm.is_plain:
-            self._schedule(model, arm)
-            why = f"the {arm.name} arm was pinned (tune_arm={pinned!r}): nothing was raced"
-            self.log.add(OOOEvent(EventKind.TUNED, "pinned", why), level=logging.INFO)
-        elif pinned is not None:
-            names = ", ".join(a.name for a in self.arms)
-            self._stop(Reason.PINNED, f"tune_arm={pinned!r} pinned; the arms were {names}")
-        else:
-            self._stop_without_stages(learned_of(self.plan))
-
-    def _run_as_planned(self, model: nn.Module, the_plan: Plan, failure: str | None) -> None:
-        """Tuning off: the plan as the planner decided (the simulator its prior), with the
-        split only where ``split_weight_grads=True`` asks for it."""
-        split = split_wanted(model, self.options, self.backend)
-        alone = split_alone(model, the_plan, failure, self.options, self.backend)
-        if alone is not None:
-            the_plan = alone  # a chain with the split in force: the split alone
-        elif failure is None and (found := learned_of(the_plan)) is not None:
-            if found.outcome == "no_parallelism" or not the_plan.stages:
-                self._stop_without_stages(found)
-                return
-        elif not the_plan.stages or (failure is not None and len(the_plan.stages) < 2):
-            self._stop_without_stages(None)
-            return
-        self._schedule(model, Arm("plan", the_plan, split, self.options.overlap_forward))
-
-    def _stop_without_stages(self, found: LearnedPlan | None) -> None:
-        if found is not None and found.outcome == "no_parallelism":
-            self._stop(Reason.NO_PARALLELISM, found.no_parallelism_message)
-        else:
-            self._stop(Reason.TOO_FEW_STAGES, "fewer than two stages: nothing to overlap")
-
-    def _scheduler_for(self, model: nn.Module, arm: Arm) -> Scheduler:
-        """A new scheduler for ``arm`` (its split made, its layers not yet swapped)."""
-        backend, device = self.backend, plan_device(model, arm.plan)
-        while len(self._streams) < arm.plan.num_streams:
-            self._streams.append(backend.new_stream(device))
-        # Picked here, once: the hooks carry no code for the options that are off.
-        scheduler_type = scheduler_class(
-            overlap_forward=arm.overlap, profile_ranges=self.options.profile_ranges
-        )
-        streams = self._streams[: arm.plan.num_streams]
-        scheduler = scheduler_type(arm.plan, streams, backend, self.log, self.counters, device)
-        scheduler.accumulators, scheduler.layout = self.accumulators, arm.name
-        if arm.split:
-            scheduler.weight_grads = WeightGradSplit(scheduler, backend, self.counters, self.log)
-        return scheduler
+            self._stop(choice.reason, choice.why)
 
     def _schedule(self, model: nn.Module, arm: Arm) -> None:
         """-> ``SCHEDULED``: ``arm``'s hooks, for good."""
         with self._as_before_on_error():
-            self.scheduler = scheduler = self._scheduler_for(model, arm)
+            self.scheduler = scheduler = self._schedulers(model, arm)
             scheduler.install(model, self._hooks["scheduler"])
             if scheduler.weight_grads is not None:
                 layers = split_layers(model, self.options.split_weight_grads_exclude)
@@ -400,7 +271,7 @@ class WrapState:
         assert clock is not None  # _tunes() said so
         with self._as_before_on_error():
             layers = split_layers(model, options.split_weight_grads_exclude)
-            racing = ArmHooks(model, self._scheduler_for, [layer for _, layer in layers])
+            racing = ArmHooks(model, self._schedulers, [layer for _, layer in layers])
             racing.handles = self._hooks["arm"]
             self.racing = racing
             parts = (self.backend, self.log, device, clock, options.tune_steps, self.accumulators)
@@ -433,7 +304,7 @@ class WrapState:
 
     def _stop(self, reason: str, why: str) -> None:
         """-> ``STOPPED``: no hook at all from now on; the model runs as if unwrapped."""
-        self._remove(*_ALL)
+        self._remove(*ALL)
         self._enter(Phase.STOPPED)
         again = (
             "model.replan() learns again on the next training forward"
@@ -481,7 +352,7 @@ class WrapState:
         try:
             yield
         except BaseException:
-            self._remove(*(part for part in _ALL if part not in _PARTS[phase]))
+            self._remove(*(part for part in ALL if part not in PARTS[phase]))
             self.phase, self.plan, self.decided = phase, plan, decided
             raise
 
@@ -503,13 +374,8 @@ class WrapState:
             )
 
     def _enter(self, phase: Phase) -> None:
-        """Move to ``phase``, if ``_LEGAL`` allows it from the phase now."""
-        if phase not in _LEGAL[self.phase]:
-            raise OOOError(
-                f"ooo_wrap bug: a wrapped model may not go from {self.phase.value} to "
-                f"{phase.value}; please report it (model.events tells what happened)"
-            )
-        self.phase = phase
+        """Move to ``phase``, if the table allows it from the phase now."""
+        self.phase = transition(self.phase, phase)
 
     def tunes(self, model: nn.Module) -> bool:
         """Whether the options tune and the backend can time steps on the model's device."""

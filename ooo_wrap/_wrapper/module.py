@@ -73,14 +73,13 @@ class OOOModule(nn.Module):
             operation or host read in the caller's code, the end of the forward), so
             independent stages overlap in forward, and under ``torch.no_grad`` too;
             off by default.
-        tune: race the candidate arms (plain; the learned stage regions, the stage
-            rule, the weight-gradient split, combinations) over training steps, timed on
-            the device, and keep the fastest only if it beats plain by more than the noise
-            in a confirmation round; else remove every hook (``measured_slower``).
-            ``"auto"`` (the default) tunes where the backend can time steps, ``True``
-            requires it, ``False`` never tunes. ``model.tuning`` shows the race.
-        tune_steps: counted steps per arm per round (more run while unclear).
-        tune_arms: the most candidate arms raced besides plain (default 3).
+        tune: race the candidate arms (plain, the learned regions, the stage rule, the
+            weight-gradient split, both) over training steps timed on the device; keep
+            the fastest only if it beats plain in a confirmation round, else remove every
+            hook (``measured_slower``). ``"auto"`` (the default) where the backend can
+            time steps, ``True`` requires it. ``model.tuning`` shows the race.
+        tune_steps, tune_arms: counted steps per arm per round (more while unclear);
+            the most candidate arms raced besides plain (default 3).
         tune_arm: run this arm by name, racing nothing (to reproduce a run).
         gpu: the reference GPU the ``dataflow`` planner estimates on: an
             ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (the GPU kit writes one
@@ -90,9 +89,8 @@ class OOOModule(nn.Module):
             ``ooo_wrap.register_split_layer``) computes its weight gradient on a
             weight-gradient stream, so the next layer's input gradient overlaps it; this
             works on chains (whose plan is then the split alone). ``True``: in every
-            planned forward; ``"auto"`` (the default): only while measured tuning races
-            it, kept only if measured faster (tuning off: never); ``False``: never. Layer
-            classes are swapped only while it is raced or kept. docs/weight-gradients.md.
+            planned arm; ``"auto"`` (the default): arms with and without it are raced
+            (tuning off: never); ``False``: never. docs/weight-gradients.md.
         split_weight_grads_exclude: names of sub-modules whose layers are never split.
 
     Returns:
@@ -103,12 +101,11 @@ class OOOModule(nn.Module):
             ``DistributedDataParallel`` (wrap first, then DDP), ``streams`` is not a
             positive int, ``profile_ranges`` or ``overlap_forward`` is not a bool,
             ``tune`` is not a bool or ``"auto"``, ``tune=True`` on a backend that cannot
-            time steps, ``tune_steps`` is below 2, ``backend`` is not a backend, ``gpu``
-            is neither a ``ReferenceGPU`` nor a readable path to one's JSON,
-            ``split_weight_grads`` is not a bool or ``"auto"``,
-            ``split_weight_grads_exclude`` names no sub-module, or the
-            stage names are empty, unknown, repeated, the root, a container or nested
-            (see :func:`ooo_wrap.plan`).
+            time steps, ``tune_steps`` below 2 or ``tune_arms`` below 1, ``backend`` is not
+            a backend, ``gpu`` is neither a ``ReferenceGPU`` nor a readable path to one's
+            JSON, ``split_weight_grads`` is not a bool or ``"auto"``,
+            ``split_weight_grads_exclude`` names no sub-module, or the stage names are
+            empty, unknown, repeated, the root, a container or nested (:func:`ooo_wrap.plan`).
 
     Example::
 

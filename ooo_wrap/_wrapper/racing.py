@@ -10,14 +10,48 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._events import EventLog
+from .._runtime.accumulators import Accumulators
+from .._runtime.backend import Backend, Stream
 from .._runtime.scheduler import Scheduler
+from .._runtime.variants import scheduler_class
+from .._runtime.wgrad import WeightGradSplit
+from .._stats import Counters
 from .arms import Arm
+from .split import plan_device
 
-__all__ = ["ArmHooks"]
+__all__ = ["ArmHooks", "Schedulers"]
+
+
+@dataclass(eq=False)
+class Schedulers:
+    """Makes the scheduler of an arm (its split made, its layers not yet swapped); the
+    side streams are made once and shared by every arm of a model."""
+
+    backend: Backend
+    log: EventLog
+    counters: Counters
+    accumulators: Accumulators
+    profile_ranges: bool
+    streams: list[Stream] = field(default_factory=list)
+
+    def __call__(self, model: nn.Module, arm: Arm) -> Scheduler:
+        backend, device = self.backend, plan_device(model, arm.plan)
+        while len(self.streams) < arm.plan.num_streams:
+            self.streams.append(backend.new_stream(device))
+        # Picked here, once: the hooks carry no code for the options that are off.
+        kind = scheduler_class(overlap_forward=arm.overlap, profile_ranges=self.profile_ranges)
+        streams = self.streams[: arm.plan.num_streams]
+        scheduler = kind(arm.plan, streams, backend, self.log, self.counters, device)
+        scheduler.accumulators, scheduler.layout = self.accumulators, arm.name
+        if arm.split:
+            scheduler.weight_grads = WeightGradSplit(scheduler, backend, self.counters, self.log)
+        return scheduler
 
 
 class ArmHooks:

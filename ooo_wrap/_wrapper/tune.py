@@ -6,18 +6,13 @@ off at step boundaries by the wrap state (``switch``): its stage hooks and split
 while the tuner's root hooks call its scheduler's root hooks. So a step of one arm runs
 only that arm's hooks, plain runs none, and once decided only the winner's remain.
 
-1. A training step is one iteration of the user's loop. It starts at the first training
-   forward after a step of *the model's optimizer*: the first ``torch.optim`` optimizer
-   holding one of the model's parameters to step while it tunes (``torch.optim``'s global
-   step hook tells). Steps of other optimizers (a GAN's discriminator's, between the
-   generator's two forwards) do not end it. A model no optimizer updates (frozen) falls
-   back to any optimizer's steps; a loop with no optimizer step, to every training
-   forward. It records a timing mark on the caller's stream in the root pre-hook; the
-   time from one mark to the next is the step (its forwards, backward, optimizer,
-   whatever the loop does), credited to its arm. So gradient accumulation, a loss over
-   two forwards or a GAN iteration is one step, in one arm; so is a checkpoint's
+1. A training step is one iteration of the user's loop, bounded by the model's own
+   optimizer's steps (``steps.py``). A timing mark is recorded on the caller's stream in
+   the root pre-hook as each step starts; the time to the next mark is the step (its
+   forwards, backward, optimizer, whatever the loop does), credited to its arm. So
+   gradient accumulation, a loss over two forwards, a GAN iteration, or a checkpoint's
    recomputation of the whole model in backward (it stops early by raising through the
-   model on purpose: not a forward that raised), which runs the hooks of its step's arm.
+   model on purpose: not a forward that raised) is part of one step, in one arm.
 2. The arms rotate by step, separately for each input shape (the shapes and dtypes of
    the forward's tensors): a loop over a handful of sequence lengths compares the arms
    within each length (``tuning.py``). The first step of each arm at each shape is a
@@ -37,9 +32,8 @@ only that arm's hooks, plain runs none, and once decided only the winner's remai
 5. The decision is made in the root post-hook of a forward that returned and applied
    there by the wrap state (``lifecycle.py``): the tuner's hooks go, the winner's hooks
    are registered as a scheduled plan's are (plain: no hook at all).
-6. One model tunes at a time in a process: a step of one model holds the work of every
-   other model the loop runs, so while one tunes, the others run their current arm,
-   untimed (a model that stops training for a while gives its turn away).
+6. One model is timed at a time in a process (``steps.py``): the others run their
+   current arm, untimed.
 """
 
 from __future__ import annotations
@@ -54,9 +48,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.hooks import RemovableHandle
 
 from .._compat import is_checkpoint_early_stop, module_calls_on_stack
 from .._events import EventKind, EventLog, OOOEvent
@@ -66,16 +57,13 @@ from .._runtime.bypass import eager_bypass_reason
 from .._runtime.inflight import thread_state
 from .._tensors import tensors_in
 from .arms import Arm
+from .steps import StepBounds, Turns
 from .tuning import MAX_ROUNDS, ArmTiming, Stage, Tuning, compare
 
 if TYPE_CHECKING:
     from .._runtime.roots import RootHooks
 
 __all__ = ["Switch", "Tuner"]
-
-# Training forwards of other models after which a tuning model that ran none gives its
-# turn away (it was trained for a while, then kept but no longer trained).
-IDLE_FORWARDS = 8
 
 Shape = tuple[tuple[torch.Size, torch.dtype], ...]
 # Put an arm's hooks on (and the previous arm's off); returns the scheduler whose root
@@ -105,31 +93,6 @@ class _Frame:
     # The exception being handled around the call, if any: one raised *by* the forward
     # is told apart from a forward called inside an ``except`` block by comparing.
     outer_exception: BaseException | None = field(default_factory=lambda: sys.exc_info()[1])
-
-
-# A tuner's turn (6.): the one tuning now, and training forwards of others since its last.
-_turn: weakref.ref[Tuner] | None = None
-_idle = 0
-# Optimizer steps run in the process (1.), counted by torch.optim's global step hook,
-# which also tells each tuning model's tuner (held weakly) which optimizer stepped.
-_optimizer_steps = 0
-_optimizer_hook: RemovableHandle | None = None
-_tuners: weakref.WeakSet[Tuner] = weakref.WeakSet()
-
-
-def _count_optimizer_step(optimizer: Optimizer, args: object, kwargs: object) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-    for tuner in tuple(_tuners):
-        tuner.optimizer_stepped(optimizer)
-
-
-def _watch_optimizer_steps(tuner: Tuner) -> None:
-    """Tell ``tuner`` of optimizer steps from now on (one global hook per process)."""
-    global _optimizer_hook
-    if _optimizer_hook is None:
-        _optimizer_hook = register_optimizer_step_post_hook(_count_optimizer_step)
-    _tuners.add(tuner)
 
 
 @dataclass(eq=False, repr=False)
@@ -168,13 +131,7 @@ class Tuner:
         self.why = ""
         self.active: Arm = self.arms[0]
         self.scheduler: RootHooks | None = None
-        # 1. The model's optimizer once one stepped, its steps, and those at the last mark.
-        self._own_optimizer: weakref.ref[Optimizer] | None = None
-        self._own_steps = 0
-        self._own_steps_at_mark = 0
-        _watch_optimizer_steps(self)
-        self._optimizer_steps_at_start = _optimizer_steps
-        self._optimizer_steps_at_mark = _optimizer_steps
+        self._bounds = StepBounds(model)  # 1.
 
     @property
     def in_forward(self) -> bool:
@@ -183,31 +140,19 @@ class Tuner:
 
     def close(self) -> None:
         """Its hooks are gone: give the turn away."""
-        global _turn
-        if _turn is not None and _turn() is self:
-            _turn = None
-        _tuners.discard(self)
+        Turns.give_back(self)
+        self._bounds.close()
 
     def record(self) -> Tuning:
         """The tuning so far (step times read only from marks the device has passed)."""
         racing = [s for s in self._closed if s.stage == "racing"]
         arms = tuple(_timing(arm, racing) for arm in self.arms)
-        confirmation: tuple[ArmTiming, ...] = ()
         confirming = [s for s in self._closed if s.stage == "confirming"]
-        if self._confirming is not None:
-            confirmation = tuple(
-                _timing(arm, confirming) for arm in (self.arms[0], self._confirming)
-            )
+        pair = () if self._confirming is None else (self.arms[0], self._confirming)
+        confirmation = tuple(_timing(arm, confirming) for arm in pair)
         shapes = len({s.shape for s in self._closed if s.ms is not None})
-        return Tuning(
-            self.decision,
-            arms,
-            self.clock.device_name,
-            confirmation,
-            shapes,
-            self._stage,
-            self.why,
-        )
+        device = self.clock.device_name
+        return Tuning(self.decision, arms, device, confirmation, shapes, self._stage, self.why)
 
     # --- hooks ----------------------------------------------------------------------
 
@@ -241,7 +186,7 @@ class Tuner:
             self._frames.append(_Frame(module, None, self.scheduler, skipped=True))
             return self.scheduler
         training = torch.is_grad_enabled()
-        if training and not self._my_turn():
+        if training and not Turns.mine(self, _lost_turn):
             return self.scheduler  # 6. another model is tuning: this arm runs, untimed
         stream = self.backend.current_stream(self.device)
         if self.backend.is_capturing(stream):
@@ -261,7 +206,7 @@ class Tuner:
             return self.scheduler
         eligible = eager_bypass_reason() is None
         step = self._open
-        if step is not None and self._continues(step):
+        if step is not None and self._bounds.continues():
             # 1. Another forward of the step in flight: same arm, no mark.
             if not eligible:
                 step.arm = None
@@ -269,8 +214,7 @@ class Tuner:
             return self.scheduler
         # 1. This mark ends the open step and starts a new one.
         mark = self.clock.mark(stream)
-        self._optimizer_steps_at_mark = _optimizer_steps
-        self._own_steps_at_mark = self._own_steps
+        self._bounds.marked()
         if step is not None:
             step.marks.append(mark)
             if step.arm is not None and len(step.marks) % 2 == 0:
@@ -322,49 +266,10 @@ class Tuner:
             return False
         return self._decide()
 
-    def optimizer_stepped(self, optimizer: Optimizer) -> None:
-        """1. ``optimizer`` stepped: count it if it is the model's optimizer. The first to
-        step holding one of the model's parameters becomes the model's (again if that one
-        is freed: a loop that makes a new optimizer)."""
-        if self._own_optimizer is None or self._own_optimizer() is None:
-            model = self._model()
-            ours = {id(param) for param in model.parameters()} if model is not None else set()
-            groups = optimizer.param_groups
-            if not any(id(param) in ours for group in groups for param in group["params"]):
-                return
-            self._own_optimizer = weakref.ref(optimizer)
-        elif self._own_optimizer() is not optimizer:
-            return
-        self._own_steps += 1
-
-    def _continues(self, step: _Step) -> bool:
-        """Whether a training forward now belongs to ``step``: the model's optimizer has
-        not stepped since its mark; or, while no optimizer updating the model is known, no
-        optimizer at all, while the loop has run some (else every forward is a step)."""
-        if self._own_optimizer is not None and self._own_optimizer() is not None:
-            return self._own_steps == self._own_steps_at_mark
-        stepped = _optimizer_steps != self._optimizer_steps_at_start
-        return stepped and _optimizer_steps == self._optimizer_steps_at_mark
-
     def _activate(self, arm: Arm) -> None:
         if arm is not self.active:
             self.scheduler = self.switch(arm)
             self.active = arm
-
-    def _my_turn(self) -> bool:
-        """6. Whether this tuner may time this step: its turn, or a free or idle one."""
-        global _turn, _idle
-        holder = _turn() if _turn is not None else None
-        if holder is self:
-            _idle = 0
-            return True
-        if holder is None or _idle >= IDLE_FORWARDS:
-            _turn, _idle = weakref.ref(self), 0
-            if holder is not None and holder._open is not None:
-                holder._open.arm = None  # its open step held this model's work
-            return True
-        _idle += 1
-        return False
 
     # --- measuring and deciding -------------------------------------------------------
 
@@ -447,6 +352,11 @@ class Tuner:
             ),
             level=logging.INFO,
         )
+
+
+def _lost_turn(holder: object) -> None:
+    if isinstance(holder, Tuner) and holder._open is not None:
+        holder._open.arm = None  # its open step held another model's work
 
 
 def _shape_of(args: Any, kwargs: Any) -> Shape:

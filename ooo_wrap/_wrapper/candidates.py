@@ -1,6 +1,6 @@
-"""The simulator's estimate of each candidate arm's step, to order them before racing.
+"""A model's candidate arms once its plan is known, ordered by the simulator's estimate.
 
-An estimate on a reference GPU from one observed forward (``_planner/simulate.py``),
+The estimate is on a reference GPU from one observed forward (``_planner/simulate.py``),
 never a measurement: it only orders the candidates; the device decides among them.
 """
 
@@ -8,13 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from torch import nn
+
 from .._plan import Plan
+from .._planner.api import reference_gpu
 from .._planner.cost import ReferenceGPU
 from .._planner.learned_plan import learned_of
 from .._planner.placement import named_chain
 from .._planner.simulate import simulate, step_ops
+from .._planner.static import static_plan
+from .._runtime.wgrad import split_layers
+from .arms import Arm, candidates, raced
+from .options import WrapOptions
 
-__all__ = ["ArmEstimate", "arm_estimate", "forms_chain"]
+__all__ = ["ArmEstimate", "arm_estimate", "candidates_for", "forms_chain"]
 
 # (stages, split) -> (estimated step in µs, reference GPU), or None where not estimated.
 ArmEstimate = Callable[[Plan, bool], "tuple[float, str] | None"]
@@ -45,3 +52,23 @@ def forms_chain(learned: Plan, stages: Plan) -> bool:
     if found is None or found.record is None:
         return False
     return bool(named_chain(found.record, [stage.name for stage in stages.stages]))
+
+
+def candidates_for(
+    model: nn.Module, the_plan: Plan, failure: str | None, options: WrapOptions
+) -> tuple[Arm, ...]:
+    """The candidates besides plain for ``the_plan`` (learned, or the static planner's):
+    those raced (at most ``tune_arms``), or every one where an arm is pinned."""
+    plans = [("static" if failure or options.planner == "static" else "regions", the_plan)]
+    if plans[0][0] == "regions":
+        static = static_plan(model, options.streams, options.stages)
+        if not forms_chain(the_plan, static):  # a chain of stages can never be faster
+            plans.append(("static", static))
+    found = candidates(
+        plans,
+        split=options.split_weight_grads,
+        can_split=bool(split_layers(model, options.split_weight_grads_exclude)),
+        overlap=options.overlap_forward,
+        estimate=arm_estimate(the_plan, reference_gpu(options.gpu)),
+    )
+    return found if options.tune_arm is not None else raced(found, options.tune_arms)
