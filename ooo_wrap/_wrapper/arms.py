@@ -34,7 +34,7 @@ from typing import Literal
 
 from .._plan import Plan
 
-__all__ = ["PLAIN", "Arm", "ArmKind", "candidates", "raced"]
+__all__ = ["Arm", "ArmKind", "candidates", "plain_arm", "raced"]
 
 ArmKind = Literal["plain", "stages", "split", "both"]
 # Simpler first: on a tie the simpler arm is kept (fewer hooks, fewer streams).
@@ -85,8 +85,6 @@ def plain_arm(plan: Plan) -> Arm:
     """The plain model: no stage, no split."""
     return Arm("plain", dataclasses.replace(plan, stages=()), split=False)
 
-
-PLAIN = "plain"
 
 
 def candidates(

@@ -6,6 +6,7 @@ never a measurement: it only orders the candidates; the device decides among the
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from torch import nn
@@ -18,10 +19,10 @@ from .._planner.placement import named_chain
 from .._planner.simulate import simulate, step_ops
 from .._planner.static import static_plan
 from .._runtime.wgrad import split_layers
-from .arms import Arm, candidates, raced
+from .arms import Arm, candidates, plain_arm, raced
 from .options import WrapOptions
 
-__all__ = ["ArmEstimate", "arm_estimate", "candidates_for", "forms_chain"]
+__all__ = ["ArmEstimate", "arm_estimate", "candidates_for", "forms_chain", "plain_for"]
 
 # (stages, split) -> (estimated step in µs, reference GPU), or None where not estimated.
 ArmEstimate = Callable[[Plan, bool], "tuple[float, str] | None"]
@@ -72,3 +73,12 @@ def candidates_for(
         estimate=arm_estimate(the_plan, reference_gpu(options.gpu)),
     )
     return found if options.tune_arm is not None else raced(found, options.tune_arms)
+
+
+def plain_for(the_plan: Plan, options: WrapOptions) -> Arm:
+    """The plain arm, with the simulator's one-stream estimate where there is one."""
+    plain = plain_arm(the_plan)
+    figure = arm_estimate(the_plan, reference_gpu(options.gpu))(plain.plan, False)
+    if figure is None:
+        return plain
+    return dataclasses.replace(plain, estimate_us=figure[0], estimate_gpu=figure[1])

@@ -17,8 +17,8 @@ from .._plan import Plan
 from .._planner.learned_plan import LearnedPlan, learned_of
 from .._reasons import Reason
 from .._runtime.backend import Backend
-from .arms import Arm, plain_arm
-from .candidates import candidates_for
+from .arms import Arm
+from .candidates import candidates_for, plain_for
 from .options import WrapOptions
 from .split import plan_device, split_alone, split_wanted
 
@@ -53,7 +53,7 @@ def choose(
         return Choice(reason=reason, why=f"the stages' device {device} has no side streams")
     if not tunes and options.tune_arm is None:
         return _as_planned(model, the_plan, failure, options, backend)
-    arms = (plain_arm(the_plan), *candidates_for(model, the_plan, failure, options))
+    arms = (plain_for(the_plan, options), *candidates_for(model, the_plan, failure, options))
     pinned = options.tune_arm
     if pinned is None:
         return Choice(arms, race=True) if len(arms) > 1 else _no_stages(arms, the_plan)

@@ -78,9 +78,8 @@ class OOOModule(nn.Module):
             the fastest only if it beats plain in a confirmation round, else remove every
             hook (``measured_slower``). ``"auto"`` (the default) where the backend can
             time steps, ``True`` requires it. ``model.tuning`` shows the race.
-        tune_steps, tune_arms: counted steps per arm per round (more while unclear);
-            the most candidate arms raced besides plain (default 3).
-        tune_arm: run this arm by name, racing nothing (to reproduce a run).
+        tune_steps, tune_arms, tune_arm: counted steps per arm per round; the most
+            arms raced besides plain (3); one arm to run by name, racing nothing.
         gpu: the reference GPU the ``dataflow`` planner estimates on: an
             ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (the GPU kit writes one
             measured on its device); ``None`` for the H200 datasheet figures.
@@ -135,20 +134,10 @@ class OOOModule(nn.Module):
         if cls is not OOOModule:  # OOO<Cls> has its own __new__ (classswap.py)
             return super().__new__(cls)
         options = WrapOptions(
-            streams,
-            stages,
-            backend,
-            profile_ranges,
-            planner,
-            overlap_forward,
-            tune,
-            tune_steps,
-            as_reference_gpu(gpu),
-            split_weight_grads,
-            split_weight_grads_exclude,
-            tune_arms,
-            tune_arm,
-        )
+            streams, stages, backend, profile_ranges, planner, overlap_forward, tune,
+            tune_steps, as_reference_gpu(gpu), split_weight_grads, split_weight_grads_exclude,
+            tune_arms, tune_arm,
+        )  # fmt: skip
         return _wrap(model, options)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -368,7 +357,7 @@ def _install(
             f"inline (at most {plural(options.streams, 'side stream')}; {learn_on}"
         )
     untuned = not state.tunes(model) and options.tune_arm is None
-    unmeasured = "; not tuned: the planner's choice runs, nothing is measured" if untuned else ""
+    unmeasured = "; not tuned: the planner's choice runs, nothing is measured" * untuned
     log.add(
         OOOEvent(EventKind.ENABLED, backend.name, f"{what}, {backend.name} backend){unmeasured}"),
         level=logging.INFO,

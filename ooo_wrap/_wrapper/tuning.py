@@ -133,7 +133,7 @@ class Tuning:
             head += f"pending ({self.stage})"
         else:
             head += f"{self.decision} kept" + (f": {self.why}" if self.why else "")
-        rows = [("arm", "steps", "median ms", "vs plain", "spread", "estimate")]
+        rows = [("arm", "steps", "median ms", "vs plain", "spread", "simulator's estimate")]
         for arm in self.arms:
             kept = " *" if arm.name == self.decision else ""
             rows.append(
@@ -145,7 +145,7 @@ class Tuning:
                     _fmt(arm.spread, ".1%"),
                     "-"
                     if arm.estimate_us is None
-                    else f"{arm.estimate_us:.0f} µs on {arm.estimate_gpu} (estimate)",
+                    else f"{arm.estimate_us:.0f} µs on {arm.estimate_gpu}",
                 )
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -422,7 +422,7 @@ def test_the_record_reads_as_a_table_with_the_kept_arm_marked() -> None:
     assert str(model.tuning).splitlines() == [
         "tuning on simulated: static kept: faster than plain in the race and confirmed alone",
         "compared: step times at one input shape",
-        "arm       steps  median ms  vs plain  spread  estimate",
+        "arm       steps  median ms  vs plain  spread  simulator's estimate",
         "plain     6      10.000     1.000     0.0%    -",
         "static *  6      8.000      0.800     0.0%    -",
         "confirmation round (each arm alone): plain 1.000 (6 steps), static 0.800 (6 steps)",
