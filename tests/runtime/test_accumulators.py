@@ -15,6 +15,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -30,14 +31,18 @@ STAGES = ["towers.0", "towers.1"]
 
 
 def _stage_streams(model: nn.Module, found: Detection) -> dict[str, list[VirtualStream]]:
-    """Hooks, run after the scheduler's, that note the stream each stage call runs on."""
+    """Note the stream each stage call's forward runs on (inside the stage, whatever the
+    order of its hooks: while measured tuning races arms, an arm's stage hooks are
+    registered as its step starts)."""
     seen: dict[str, list[VirtualStream]] = {name: [] for name in STAGES}
     for name in STAGES:
+        stage = model.get_submodule(name)
 
-        def note(module: nn.Module, args: object, name: str = name) -> None:
+        def noted(*args: object, name: str = name, forward: Any = stage.forward) -> object:
             seen[name].append(found.stream_now())
+            return forward(*args)
 
-        model.get_submodule(name).register_forward_pre_hook(note)
+        stage.forward = noted
     return seen
 
 
