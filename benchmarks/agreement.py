@@ -26,7 +26,7 @@ import ooo_wrap
 from ooo_wrap._planner import dataflow as _dataflow
 from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import LearnedPlan, learn_plan
-from ooo_wrap._planner.simulate import estimate_step
+from ooo_wrap._planner.simulate import estimate_arm
 from ooo_wrap.testing import check
 
 
@@ -76,7 +76,7 @@ def _static(model: nn.Module, learned: LearnedPlan, streams: int = 4) -> str:
     """The static plan's simulated step on the record ``learned`` was learned from."""
     static = {stage.name: stage.stream for stage in ooo_wrap.plan(model, streams).stages}
     ids = {c.call_id: static[c.name] for c in learned.record.calls() if c.name in static}
-    est = estimate_step(learned.record, ids, H200)
+    est = estimate_arm(learned.record, ids, H200)
     return f"{est.wrapped_us:.1f} µs {est.speedup:.3f}x"
 
 

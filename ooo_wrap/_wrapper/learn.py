@@ -59,11 +59,16 @@ def pending_plan(streams: int) -> Plan:
 
 
 def _learned(
-    model: nn.Module, record: CallRecord, streams: int, named: Plan | None, gpu: ReferenceGPU
+    model: nn.Module,
+    record: CallRecord,
+    streams: int,
+    named: Plan | None,
+    gpu: ReferenceGPU,
+    graphed: bool,
 ) -> Plan:
     names = None if named is None else [stage.name for stage in named.stages]
     source: StageSource = "dataflow" if named is None else named.source
-    return learn(record, streams, gpu=gpu, stages=names).to_plan(model, source)
+    return learn(record, streams, gpu=gpu, stages=names, graphed=graphed).to_plan(model, source)
 
 
 class Learner:
@@ -91,7 +96,11 @@ class Learner:
         *,
         gpu: ReferenceGPU | None = None,
         log: EventLog | None = None,
+        graphed: bool = False,
     ) -> None:
+        # How the plan is priced: as a CUDA graph replay of the step, or eager launches.
+        # Set before the observed forward (``registry.price_as_graph_replay``).
+        self.graphed = graphed
         self._counters = counters
         self._accumulators = accumulators
         self._gpu = gpu  # None: the default reference, read when learning
@@ -196,7 +205,7 @@ class Learner:
             named = named_stages(module, self._streams, stages)
             named = None if named is None else self._as_given(named)
             gpu = reference_gpu(self._gpu)
-            plan = _learned(module, observer.record, self._streams, named, gpu)
+            plan = _learned(module, observer.record, self._streams, named, gpu, self.graphed)
             return Learned(plan, None, removed)
         except Exception as error:
             return self._failed(

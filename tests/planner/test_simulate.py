@@ -15,7 +15,7 @@ from ooo_wrap._plan import StepEstimate
 from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import MIN_GAIN_US, learn_plan
 from ooo_wrap._planner.placement import assign_regions
-from ooo_wrap._planner.simulate import SimOp, estimate_step, simulate
+from ooo_wrap._planner.simulate import SimOp, estimate_arm, simulate
 from ooo_wrap.testing import check
 from tests.support import dataflow_models as models
 
@@ -155,8 +155,8 @@ def test_the_heaviest_branch_leaves_the_callers_stream_only_where_the_simulation
     kept = assign_regions(learned.record, 4, H200)
     (region,) = kept.regions
     moved = assign_regions(learned.record, 4, H200, moved=frozenset({region.key}))
-    on_caller = estimate_step(learned.record, kept.stage_stream, H200).wrapped_us
-    on_side = estimate_step(learned.record, moved.stage_stream, H200).wrapped_us
+    on_caller = estimate_arm(learned.record, kept.stage_stream, H200).wrapped_us
+    on_side = estimate_arm(learned.record, moved.stage_stream, H200).wrapped_us
     assert (on_side < on_caller - MIN_GAIN_US) is moves, (on_side, on_caller)
     assert learned.estimate is not None
     assert learned.estimate.wrapped_us == pytest.approx(on_side if moves else on_caller)
