@@ -180,6 +180,7 @@ def check(
         learning_step=1 if planner == "dataflow" else None,
         plan_estimate=_plan_estimate(wrapped, measured or H200, split_weight_grads, graphed),
         graphed=graphed,
+        split=split_weight_grads is True,
         not_checked=_not_checked(
             wrapped, learned_on_last_step=planner == "dataflow" and steps == 1
         ),

@@ -85,6 +85,7 @@ class CheckReport:
             forward's step with the checked streams, and the split if it was in force),
             or ``None`` for a plan learned from no forward (the ``static`` planner).
         graphed: the estimates are priced as a CUDA graph replay (``check(graphed=True)``).
+        split: the weight-gradient split was in force (``split_weight_grads=True``).
 
     Example::
 
@@ -109,6 +110,7 @@ class CheckReport:
     learning_step: int | None = None
     plan_estimate: StepEstimate | None = None
     graphed: bool = False
+    split: bool = False
 
     @property
     def ok(self) -> bool:
@@ -185,7 +187,9 @@ class CheckReport:
         wrapped = lay_out(last, gpu=self.gpu, graphed=self.graphed)
         serial = lay_out(last, one_stream=True, gpu=self.gpu, graphed=self.graphed)
         name = wrapped.gpu.name
-        return StepEstimate(wrapped.length_us, serial.length_us, name, graphed=self.graphed)
+        return StepEstimate(
+            wrapped.length_us, serial.length_us, name, graphed=self.graphed, split=self.split
+        )
 
     def raise_if_failed(self) -> None:
         """Raise :class:`CheckFailed` (an ``OOOError``) with this report unless :attr:`ok`."""
