@@ -14,7 +14,7 @@ from .cost import H200, GPULike, ReferenceGPU, as_reference_gpu
 from .dataflow import learn_plan
 from .static import static_plan
 
-__all__ = ["learn_from_example", "named_stages", "plan", "reference_gpu"]
+__all__ = ["check_graphed", "learn_from_example", "named_stages", "plan", "reference_gpu"]
 
 
 def reference_gpu(gpu: ReferenceGPU | None) -> ReferenceGPU:
@@ -86,16 +86,22 @@ def plan(
         )
     max_streams = check_streams(streams)
     reference = as_reference_gpu(gpu)
-    if not isinstance(graphed, bool):
-        raise OOOConfigError(
-            f"graphed must be True or False, got {graphed!r}; True prices the step as a "
-            "CUDA graph replay (a step captured with ooo_wrap.graphed_step)"
-        )
+    check_graphed(graphed, "graphed")
     if example_inputs is not None or example_kwargs is not None:
         return learn_from_example(
             model, max_streams, stages, example_inputs, example_kwargs, reference, graphed
         )
     return static_plan(model, max_streams, stages)
+
+
+def check_graphed(value: object, where: str) -> bool:
+    """Return ``value`` if it is a bool, else raise :class:`OOOConfigError` naming ``where``."""
+    if not isinstance(value, bool):
+        raise OOOConfigError(
+            f"{where} must be True or False, got {value!r}; True prices the step as a CUDA "
+            "graph replay (a step captured with ooo_wrap.graphed_step), False as eager launches"
+        )
+    return value
 
 
 def named_stages(model: nn.Module, streams: int, stages: Sequence[str] | None) -> Plan | None:

@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from .._errors import OOOConfigError, positive_int
 from .._events import EventKind
 from .._plan import StepEstimate, plural
+from .._planner.api import check_graphed
 from .._planner.cost import H200, GPULike, ReferenceGPU, as_reference_gpu
 from .._planner.learned_plan import learned_of
 from .._tensors import map_leaves, named_tensors
@@ -121,11 +122,7 @@ def check(
             "check it before wrapping, or pass ooo_wrap.unwrap(model)"
         )
     positive_int(steps, "steps")
-    if not isinstance(graphed, bool):
-        raise OOOConfigError(
-            f"check(): graphed must be True or False, got {graphed!r}; True prices the "
-            "step as a CUDA graph replay"
-        )
+    check_graphed(graphed, "check(): graphed")
     if capture and planner == "dataflow" and steps < 2:
         raise OOOConfigError(
             "check(capture=True) with the dataflow planner needs steps >= 2: the plan is "

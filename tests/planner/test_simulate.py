@@ -223,6 +223,8 @@ def test_check_prices_the_split_it_checks() -> None:
     assert learned is not None
     assert report.plan_estimate == learned.arm(H200, split=True)  # type: ignore[attr-defined]
     assert "on these streams with the weight-gradient split" in str(report)
+    with pytest.raises(ooo_wrap.OOOConfigError, match=r"check\(\): graphed must be True or"):
+        check(model, x, graphed=1)  # type: ignore[arg-type]
 
 
 def test_a_long_step_finishes() -> None:
