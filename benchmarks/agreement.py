@@ -2,7 +2,9 @@
 
 Run: ``python -m benchmarks.agreement``. For each model it learns the plan the planner
 keeps by default (regions the simulated step pays for) and prints its estimate, the
-estimate ``check()`` reports for the same model running it, and their difference; then
+timeline ``check()`` lays out from the ops it recorded running it
+(``CheckReport.timeline_estimate``: the backward as the engine ran it, not modelled from
+the forward), and their difference; then
 the same for the plan with every region the region rule finds (``by_simulation=False``),
 to compare the two estimates where the default keeps no side stream; then the static
 plan's simulated step on the same record; then the CLIP replica on the ``meta`` device,
@@ -67,7 +69,7 @@ def _row(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[str, str, str, str]
     own = f"{planned.wrapped_us:.1f} µs {planned.speedup:.3f}x"
     if not learned.stages:  # check() runs the plain model: nothing to compare
         return outcome, own, "-", "-"
-    got = check(model, *inputs).estimate
+    got = check(model, *inputs).timeline_estimate
     diff = f"{(planned.wrapped_us / got.wrapped_us - 1) * 100:+.1f}%"
     return outcome, own, f"{got.wrapped_us:.1f} µs {got.speedup:.3f}x", diff
 
