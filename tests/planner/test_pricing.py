@@ -194,3 +194,17 @@ def test_learn_plan_graphed_matches_learn() -> None:
         x = torch.randn(4, 64)
     learned = learn_plan(model, (x,), graphed=True)
     assert learned.estimate is not None and learned.estimate.graphed
+
+
+def test_a_wrapped_model_still_to_learn_can_be_priced_as_a_graph_replay() -> None:
+    from ooo_wrap._wrapper.registry import price_as_graph_replay
+    from ooo_wrap.testing import SimulatedBackend
+    from tests.support.cli_factories import graph_towers
+
+    model = ooo_wrap.OOOModule(graph_towers(), backend=SimulatedBackend(), tune=False)
+    assert price_as_graph_replay(model)
+    model(torch.randn(16, 256)).sum().backward()  # the learning step
+    estimate = model.plan.estimate
+    assert estimate is not None and estimate.graphed and model.plan.stages
+    assert not price_as_graph_replay(model)  # learned: nothing left to price
+    assert not price_as_graph_replay(nn.Linear(2, 2))  # not wrapped
