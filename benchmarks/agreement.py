@@ -2,7 +2,9 @@
 
 Run: ``python -m benchmarks.agreement``. For each model it learns the plan the planner
 keeps by default (regions the simulated step pays for) and prints its estimate, the
-estimate ``check()`` reports for the same model running it, and their difference; then
+timeline ``check()`` lays out from the ops it recorded running it
+(``CheckReport.timeline_estimate``: the backward as the engine ran it, not modelled from
+the forward), and their difference; then
 the same for the plan with every region the region rule finds (``by_simulation=False``),
 to compare the two estimates where the default keeps no side stream; then the static
 plan's simulated step on the same record; then the CLIP replica on the ``meta`` device,
@@ -26,7 +28,7 @@ import ooo_wrap
 from ooo_wrap._planner import dataflow as _dataflow
 from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import LearnedPlan, learn_plan
-from ooo_wrap._planner.simulate import estimate_step
+from ooo_wrap._planner.simulate import estimate_arm
 from ooo_wrap.testing import check
 
 
@@ -67,7 +69,7 @@ def _row(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[str, str, str, str]
     own = f"{planned.wrapped_us:.1f} µs {planned.speedup:.3f}x"
     if not learned.stages:  # check() runs the plain model: nothing to compare
         return outcome, own, "-", "-"
-    got = check(model, *inputs).estimate
+    got = check(model, *inputs).timeline_estimate
     diff = f"{(planned.wrapped_us / got.wrapped_us - 1) * 100:+.1f}%"
     return outcome, own, f"{got.wrapped_us:.1f} µs {got.speedup:.3f}x", diff
 
@@ -76,7 +78,7 @@ def _static(model: nn.Module, learned: LearnedPlan, streams: int = 4) -> str:
     """The static plan's simulated step on the record ``learned`` was learned from."""
     static = {stage.name: stage.stream for stage in ooo_wrap.plan(model, streams).stages}
     ids = {c.call_id: static[c.name] for c in learned.record.calls() if c.name in static}
-    est = estimate_step(learned.record, ids, H200)
+    est = estimate_arm(learned.record, ids, H200)
     return f"{est.wrapped_us:.1f} µs {est.speedup:.3f}x"
 
 

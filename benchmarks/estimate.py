@@ -10,7 +10,7 @@ machinery, so the first GPU runs calibrate the same cost model ``check()`` repor
    on the reference GPU (``ooo_wrap._planner.cost``). Where the meta device cannot run the model,
    the CPU runs it at the point's sizes instead.
 2. The last step's ops are laid out on the estimated time axis exactly as
-   :attr:`ooo_wrap.testing.CheckReport.estimate` does: on the wrapped schedule (host
+   :attr:`ooo_wrap.testing.CheckReport.timeline_estimate` does: on the wrapped schedule (host
    launches in order, each stream in order, every wait) for ``wrapped_ms``, and the same
    ops on one stream without fork/join costs for ``plain_ms``.
 
@@ -32,7 +32,7 @@ import ooo_wrap
 from ooo_wrap._planner.cost import H200, ReferenceGPU
 from ooo_wrap.testing import DetectingBackend, detect
 
-# The layout CheckReport.estimate uses; not part of ooo_wrap.testing's public names.
+# The layout CheckReport.timeline_estimate uses; not part of ooo_wrap.testing's public names.
 from ooo_wrap.testing._timeline import lay_out, split_steps
 
 from .measure import Point

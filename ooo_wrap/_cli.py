@@ -143,6 +143,13 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="a ReferenceGPU JSON (the GPU kit writes one measured on its device) to "
         "estimate on instead of the H200 datasheet figures",
     )
+    parser.add_argument(
+        "--graphed",
+        action="store_true",
+        help="price the step as a CUDA graph replay (a step run under graphed_step: no "
+        "per-kernel launch on the host, forks and joins as graph edges) instead of eager "
+        "launches; the learned plan is priced, and kept, so",
+    )
 
 
 def _add_input_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -183,7 +190,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         if learn:
             the_plan = plan(
-                model, args.streams, stages=args.stages, example_inputs=inputs, gpu=args.gpu
+                model,
+                args.streams,
+                stages=args.stages,
+                example_inputs=inputs,
+                gpu=args.gpu,
+                graphed=args.graphed,
             )
         else:
             the_plan = plan(model, args.streams, stages=args.stages)
@@ -195,6 +207,11 @@ def _run_plan(args: argparse.Namespace) -> int:
             f"{one_line(error)} (are the --input shapes and --dtype right for it?)"
         ) from None
     print(the_plan)
+    if args.graphed and not (learn and the_plan.estimate is not None):
+        print(
+            "note: --graphed prices the plan the dataflow planner learns and judges "
+            "(pass --input SHAPE, and no --stages)"
+        )
     if learn:
         if not the_plan.stages:
             print("note: nothing to overlap, so OOOModule(model) removes its hooks after learning")
@@ -232,6 +249,7 @@ def _run_check(args: argparse.Namespace) -> int:
             capture=args.capture,
             gpu=args.gpu,
             split_weight_grads=_SPLIT[args.split_weight_grads],
+            graphed=args.graphed,
         )
     except testing.CaptureError as error:  # the model broke a capture rule: a finding
         print(f"ooo_wrap check: FAILED under simulated graph capture: {one_line(error)}")

@@ -35,22 +35,38 @@ class StepEstimate:
     An estimate from a cost model (roofline per op, launch and fork/join costs on the
     host, concurrent kernels sharing the GPU by occupancy) on the reference GPU named in
     ``gpu``, never a measurement. The same type for a learned plan and for the checker.
+
+    Attributes:
+        wrapped_us: the step with the plan's streams (and the split, with ``split``).
+        one_stream_us: the plain model's step: every op on one stream.
+        gpu: the reference GPU's name.
+        graphed: priced as a CUDA graph replay (no per-kernel launch on the host, event
+            forks and joins as graph edges), both steps; else as eager launches.
+        split: the plan's step has the weight-gradient split in force.
     """
 
     wrapped_us: float
     one_stream_us: float
     gpu: str
+    graphed: bool = False
+    split: bool = False
 
     @property
     def speedup(self) -> float:
         """One-stream length over wrapped length (above 1: the streams would help)."""
         return self.one_stream_us / self.wrapped_us if self.wrapped_us > 0 else 1.0
 
+    @property
+    def pricing(self) -> str:
+        """How the step was priced, in words."""
+        return "priced as a CUDA graph replay" if self.graphed else "priced as eager launches"
+
     def __str__(self) -> str:
+        split = " with the weight-gradient split" if self.split else ""
         return (
-            f"estimated step: {self.wrapped_us:.1f} µs on these streams vs "
-            f"{self.one_stream_us:.1f} µs on one stream ({self.speedup:.2f}x); "
-            f"an estimate on {self.gpu}, not a measurement"
+            f"estimated step: {self.wrapped_us:.1f} µs on these streams{split} vs "
+            f"{self.one_stream_us:.1f} µs on one stream ({self.speedup:.2f}x), "
+            f"{self.pricing}; an estimate on {self.gpu}, not a measurement"
         )
 
 

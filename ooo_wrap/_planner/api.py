@@ -14,7 +14,7 @@ from .cost import H200, GPULike, ReferenceGPU, as_reference_gpu
 from .dataflow import learn_plan
 from .static import static_plan
 
-__all__ = ["learn_from_example", "named_stages", "plan", "reference_gpu"]
+__all__ = ["check_graphed", "learn_from_example", "named_stages", "plan", "reference_gpu"]
 
 
 def reference_gpu(gpu: ReferenceGPU | None) -> ReferenceGPU:
@@ -30,6 +30,7 @@ def plan(
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     gpu: GPULike | None = None,
+    graphed: bool = False,
 ) -> Plan:
     """Work out the stages of ``model`` and their streams, without touching any device.
 
@@ -56,6 +57,11 @@ def plan(
             ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (such as the one the GPU
             kit measures); ``None`` for the H200 datasheet figures. Only read when
             learning (with example inputs).
+        graphed: price the learned plan's steps as a CUDA graph replay (for a step
+            captured with ``ooo_wrap.graphed_step`` or ``make_graphed_callables``: no
+            per-kernel launch on the host, event forks and joins as graph edges), the
+            plain model's too; ``False`` prices eager launches. The table says which.
+            Only read when learning.
 
     Returns:
         The :class:`Plan`; ``print(plan)`` shows it as a table.
@@ -64,13 +70,15 @@ def plan(
         OOOConfigError: ``model`` is not a module, ``streams`` is not a positive int,
             the names given are empty, or a stage name is unknown, repeated, the root, a
             ``ModuleList``/``ModuleDict`` (never called), or nested with another stage;
-            or ``gpu`` is neither a ``ReferenceGPU`` nor a readable path to one's JSON.
+            or ``gpu`` is neither a ``ReferenceGPU`` nor a readable path to one's JSON;
+            or ``graphed`` is not a bool.
 
     Example::
 
         >>> print(ooo_wrap.plan(model, streams=2))
         >>> measured = ooo_wrap.ReferenceGPU.load("reference_gpu.json")
         >>> print(ooo_wrap.plan(model, example_inputs=(x,), gpu=measured))
+        >>> print(ooo_wrap.plan(model, example_inputs=(x,), graphed=True))
     """
     if not isinstance(model, nn.Module):
         raise OOOConfigError(
@@ -78,11 +86,22 @@ def plan(
         )
     max_streams = check_streams(streams)
     reference = as_reference_gpu(gpu)
+    check_graphed(graphed, "graphed")
     if example_inputs is not None or example_kwargs is not None:
         return learn_from_example(
-            model, max_streams, stages, example_inputs, example_kwargs, reference
+            model, max_streams, stages, example_inputs, example_kwargs, reference, graphed
         )
     return static_plan(model, max_streams, stages)
+
+
+def check_graphed(value: object, where: str) -> bool:
+    """Return ``value`` if it is a bool, else raise :class:`OOOConfigError` naming ``where``."""
+    if not isinstance(value, bool):
+        raise OOOConfigError(
+            f"{where} must be True or False, got {value!r}; True prices the step as a CUDA "
+            "graph replay (a step captured with ooo_wrap.graphed_step), False as eager launches"
+        )
+    return value
 
 
 def named_stages(model: nn.Module, streams: int, stages: Sequence[str] | None) -> Plan | None:
@@ -101,6 +120,7 @@ def learn_from_example(
     example_inputs: Sequence[Any] | None,
     example_kwargs: Mapping[str, Any] | None,
     gpu: ReferenceGPU | None = None,
+    graphed: bool = False,
 ) -> Plan:
     """``ooo_wrap.plan(model, example_inputs=...)``: learn on a deep copy of ``model`` (its
     forward may update buffers, such as batch-norm statistics, which the caller's must not)."""
@@ -114,6 +134,12 @@ def learn_from_example(
     inputs = tuple(example_inputs or ())
     copied = copy.deepcopy(model)
     learned = learn_plan(
-        copied, inputs, example_kwargs, streams=streams, stages=names, gpu=reference_gpu(gpu)
+        copied,
+        inputs,
+        example_kwargs,
+        streams=streams,
+        stages=names,
+        gpu=reference_gpu(gpu),
+        graphed=graphed,
     )
     return learned.to_plan(model, "dataflow" if named is None else named.source)

@@ -11,7 +11,10 @@ measurement. Step times come from the step simulator the race checker reports wi
 modelled from the forward, concurrent kernels sharing the GPU by occupancy). A region is
 kept only if the simulated step is faster with it than without it, by at least
 ``MIN_GAIN_FRACTION`` of the region's estimated step time and ``MIN_GAIN_US``; a plan
-no faster than one stream is not learned (``no_parallelism``).
+no faster than one stream is not learned (``no_parallelism``). With ``graphed=True`` every
+step is priced as a CUDA graph replay (no per-kernel launch, forks and joins as graph
+edges; ``simulate`` says how), and so is the region rule: no stage is below a fork/join
+that costs the host nothing, and no branch is host-bound.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from .placement import (
     named_chain,
 )
 from .regions import RegionKey, RegionRule, call_dag, parallels
-from .simulate import BACKWARD_FACTOR, simulate, step_ops
+from .simulate import BACKWARD_FACTOR, estimate_arm, simulate, step_ops
 from .static import static_plan
 
 __all__ = [
@@ -77,6 +80,7 @@ def learn(
     gpu: ReferenceGPU = H200,
     stages: Sequence[str] | None = None,
     by_simulation: bool | None = None,
+    graphed: bool = False,
 ) -> LearnedPlan:
     """Learn a plan from one observed forward.
 
@@ -88,6 +92,8 @@ def learn(
         by_simulation: keep a region only where the simulated step pays for it (``False``:
             every region the region rule finds, for tests of plan structure; ``None``:
             ``BY_SIMULATION``).
+        graphed: price every step as a CUDA graph replay (the step is captured with
+            ``graphed_step`` or ``make_graphed_callables``) instead of eager launches.
 
     Returns:
         The :class:`LearnedPlan`.
@@ -99,13 +105,13 @@ def learn(
     rejected: tuple[RejectedRegion, ...] = ()
     unfit = ""
     chain_of_named: tuple[str, ...] = ()
+    rule_gpu = _replayed(gpu) if graphed else gpu  # what the region rule prices with
     if stages is None:
-        unfit = _best_unfit(record, gpu)
-        walk, wanted, estimate, rejected, notes = _decide(
-            record, max_streams, gpu, BY_SIMULATION if by_simulation is None else by_simulation
-        )
+        unfit = _best_unfit(record, rule_gpu)
+        judge = BY_SIMULATION if by_simulation is None else by_simulation
+        walk, wanted, estimate, rejected, notes = _decide(record, max_streams, gpu, judge, graphed)
     else:
-        walk = assign_regions(record, max_streams, gpu)
+        walk = assign_regions(record, max_streams, rule_gpu)
     if stages is not None:
         names = as_stage_names(stages, "stages=")
         wanted = assign_named(record, names, max_streams)
@@ -152,7 +158,7 @@ def learn(
         gpu=gpu.name,
         forward_us=record.device_us,
         plan_forward_us=plan_forward_us,
-        fork_join_us=stage_calls * gpu.fork_join_us,
+        fork_join_us=stage_calls * rule_gpu.fork_join_us,
         notes=tuple(notes),
         record=record,
         lanes=dict(walk.lanes),
@@ -184,6 +190,12 @@ def _best_unfit(record: CallRecord, gpu: ReferenceGPU) -> str:
     return "" if best is None else best[1]
 
 
+def _replayed(gpu: ReferenceGPU) -> ReferenceGPU:
+    """``gpu`` as a CUDA graph replay prices a kernel and a stage: no host launch, and a
+    fork or join that is a graph edge, with no host time."""
+    return replace(gpu, launch_us=0.0, fork_join_us=0.0)
+
+
 def _placed(
     record: CallRecord, walk: RegionWalk
 ) -> tuple[dict[str, int], dict[int, int], list[str]]:
@@ -195,7 +207,7 @@ def _placed(
 
 
 def _decide(
-    record: CallRecord, streams: int, gpu: ReferenceGPU, judge: bool
+    record: CallRecord, streams: int, gpu: ReferenceGPU, judge: bool, graphed: bool
 ) -> tuple[RegionWalk, dict[str, int], StepEstimate, tuple[RejectedRegion, ...], list[str]]:
     """Keep each region only where the simulated step pays for it (the module doc).
 
@@ -211,7 +223,8 @@ def _decide(
     stream too; it moves only if that is faster (else it stays, one fork/join fewer). A
     plan no faster than one stream keeps no stage.
     """
-    serial = simulate(step_ops(record, {}, gpu, one_stream=True)).length_us
+    serial = estimate_arm(record, {}, gpu, graphed=graphed).one_stream_us
+    rule_gpu = _replayed(gpu) if graphed else gpu
 
     def trial(
         vetoed: frozenset[RegionKey],
@@ -220,11 +233,11 @@ def _decide(
         same: _Trial | None = None,
     ) -> _Trial:
         """The placement's simulated step (``same`` itself if it places the same stages)."""
-        walk = assign_regions(record, streams, gpu, vetoed, moved, linked)
+        walk = assign_regions(record, streams, rule_gpu, vetoed, moved, linked)
         wanted, ids, notes = _placed(record, walk)
         if same is not None and ids == same.ids:
             return same
-        us = simulate(step_ops(record, ids, gpu)).length_us if ids else serial
+        us = simulate(step_ops(record, ids, gpu, graphed=graphed)).length_us if ids else serial
         return _Trial(walk, wanted, ids, notes, us, vetoed, linked)
 
     def linking(plain: _Trial, key: RegionKey) -> _Trial:
@@ -282,7 +295,8 @@ def _decide(
             f"({serial:.1f} µs): no stage kept"
         )
         wanted, us = {}, serial
-    return walk, wanted, StepEstimate(us, serial, gpu.name), tuple(rejected), notes
+    estimate = StepEstimate(us, serial, gpu.name, graphed=graphed)
+    return walk, wanted, estimate, tuple(rejected), notes
 
 
 def _needed(region: RegionPlacement) -> float:
@@ -341,6 +355,7 @@ def learn_plan(
     stages: Sequence[str] | None = None,
     gpu: ReferenceGPU = H200,
     by_simulation: bool | None = None,
+    graphed: bool = False,
 ) -> LearnedPlan:
     """Run one forward of ``model`` under observation and learn its plan (see :func:`learn`).
 
@@ -357,7 +372,9 @@ def learn_plan(
         model, check_streams(streams), stages
     )  # the same errors as the static plan, before running
     record = observe(model, example_inputs, example_kwargs, gpu=gpu)
-    return learn(record, streams, gpu=gpu, stages=stages, by_simulation=by_simulation)
+    return learn(
+        record, streams, gpu=gpu, stages=stages, by_simulation=by_simulation, graphed=graphed
+    )
 
 
 def _one_stream_per_module(

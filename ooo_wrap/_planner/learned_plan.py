@@ -15,9 +15,10 @@ from typing import Literal
 from torch import nn
 
 from .._plan import Plan, StageSource, StepEstimate, plural
+from .cost import ReferenceGPU
 from .observe import CallRecord
 from .placement import BranchPlacement, Lane, RegionPlacement, stage_edges
-from .simulate import BACKWARD_FACTOR
+from .simulate import BACKWARD_FACTOR, estimate_arm
 from .static import static_plan
 
 __all__ = [
@@ -208,6 +209,14 @@ class LearnedPlan:
             "decide (finding no parallel region, it removes every hook)"
         )
 
+    def arm(self, gpu: ReferenceGPU, *, split: bool = False, graphed: bool = False) -> StepEstimate:
+        """This plan's stages on their streams, priced by ``simulate.estimate_arm`` on the
+        forward it was learned from (``estimate`` is this, priced as learned, without
+        the split, for a plan the simulator judged); ``gpu`` is the reference it learned on."""
+        streams = self.stage_streams
+        ids = {c.call_id: streams[c.name] for c in self.record.calls() if c.name in streams}
+        return estimate_arm(self.record, ids, gpu, split=split, graphed=graphed)
+
     def count_edges(self, stage_streams: Mapping[str, int]) -> EdgeCount:
         """Count the stage edges of any plan (e.g. the static one) on this forward."""
         edges = edges_between_stages(self.record, stage_streams, self.lanes)
@@ -300,9 +309,14 @@ def render(learned: LearnedPlan) -> str:
         lines.append(f"  nothing to overlap: {learned.no_parallelism_message}")
     if learned.estimate is not None:
         lines.append(f"  {learned.estimate}")
+        how = (
+            "one graph launch, no per-kernel launch, fork/joins as graph edges"
+            if learned.estimate.graphed
+            else f"host launches and fork/joins ({learned.fork_join_us:.1f} µs per forward)"
+        )
         lines.append(
-            f"    (simulated: host launches and fork/joins ({learned.fork_join_us:.1f} µs per "
-            "forward), backward from the forward, kernels sharing the GPU by occupancy)"
+            f"    (simulated: {how}, backward from the forward, kernels sharing the GPU by "
+            "occupancy)"
         )
     else:
         lines.append(

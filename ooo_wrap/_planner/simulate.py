@@ -24,22 +24,52 @@ The model, in estimated µs on a named reference GPU (never a measurement):
 The planner's backward (:func:`step_ops`) is the observed forward reversed: the autograd
 engine runs one host thread per device and, among ready nodes, the one created last, so
 it issues the nodes in reverse creation order; each forward kernel's backward runs on the
-stream of its forward and costs what :func:`backward_cost` says for the op (about
+stream of its forward and costs what ``backward.backward_cost`` says for the op (about
 ``BACKWARD_FACTOR`` times its device time, in ``BACKWARD_LAUNCHES`` kernels, unless the op
 is listed); a gradient crossing streams is an event wait. Every stage
 call costs a fork and a join each way (forward, and its backward's wait back). The loss
 is two small kernels after the forward (a reduction and its gradient's seed); the step
 ends with an optimizer update per parameter on the caller's stream (an SGD ``add_``).
+
+Two switches price other ways of running the same step:
+
+* **The weight-gradient split** (``split=True``). A matmul or convolution that is a
+  layer's own op (an op of a module call with parameters: ``nn.Linear``, ``nn.ConvNd``)
+  runs its backward as two kernels (``backward.split_cost``): the input gradient (dI) on
+  the layer's stream, and the weight gradient (dW, with the bias's) on the one
+  weight-gradient stream, which first waits on an event recorded once the output gradient
+  is ready (a fork: half a ``fork_join_us`` of host time), so dW runs beside the next
+  layer's dI, sharing the GPU by occupancy. The layer's stream waits on the dW of the
+  split layer ``SPLIT_LAG`` layers back; the caller's stream waits on the weight-gradient
+  stream at the end of backward. Each split layer call adds the split's host cost
+  (``backward.split_host_us``, measured on the CPU and scaled to the reference GPU's
+  launches), half in forward, half in backward.
+* **A CUDA graph replay** (``graphed=True``: a step captured with ``graphed_step`` or
+  ``make_graphed_callables``). The replay is one launch; then no kernel costs the host a
+  launch, an event fork or join is a graph edge (the dependency, no host time), and the
+  split costs no host time (its Python does not run on replay). Plain is priced as a
+  replay too: both arms replay a graph.
+
+:func:`estimate_arm` is the one entry that prices a candidate against the plain model.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .._plan import StepEstimate
+from .backward import (
+    BACKWARD_FACTOR,
+    BACKWARD_LAUNCHES,
+    SPLIT_LAG,
+    backward_cost,
+    split_cost,
+    split_host_us,
+    splits,
+)
 
 if TYPE_CHECKING:
     from .cost import ReferenceGPU
@@ -51,45 +81,13 @@ __all__ = [
     "SimOp",
     "SimResult",
     "backward_cost",
-    "estimate_step",
+    "estimate_arm",
     "simulate",
     "step_ops",
 ]
 
-# The backward of a forward kernel, as (times its device time, kernels), by the op's name:
-# a matmul's is two matmuls (and a bias reduction for ``addmm``), a convolution's one
-# ``convolution_backward``; an in-place op (a running-statistics update) and a
-# concatenation (its backward is views) launch none; any other op about one kernel a bit
-# slower than its forward. An estimate, like the costs it scales. Each listed op has two:
-# its usual backward, and the one of a matmul or convolution of the step's inputs (the
-# first layer), which needs no input gradient.
-BACKWARD_FACTOR = 1.15
-BACKWARD_LAUNCHES = 1.0
-_BACKWARD: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
-    "addmm": ((2.05, 3.0), (1.05, 2.0)),
-    "mm": ((2.0, 2.0), (1.0, 1.0)),
-    "bmm": ((2.0, 2.0), (1.0, 1.0)),
-    "baddbmm": ((2.05, 3.0), (1.05, 2.0)),
-    "convolution": ((1.35, 1.0), (0.7, 1.0)),
-    "cat": ((0.0, 0.0), (0.0, 0.0)),
-    "stack": ((0.0, 0.0), (0.0, 0.0)),
-}
-
-
-def backward_cost(name: str, first: bool = False) -> tuple[float, float]:
-    """(device-time factor, kernels) of the backward of the forward op ``name``
-    (``aten.addmm.default``); ``first``: it reads nothing another op of the forward made
-    (only inputs and parameters), so a matmul's input gradient is not computed."""
-    packet = name.split(".")[1] if name.startswith("aten.") else name
-    if packet in _BACKWARD:
-        usual, first_layer = _BACKWARD[packet]
-        return first_layer if first else usual
-    if packet.endswith("_") and not packet.startswith("_"):
-        return (0.0, 0.0)
-    return (BACKWARD_FACTOR, BACKWARD_LAUNCHES)
-
-
 _EPS = 1e-9
+_WGRAD = -1  # the weight-gradient stream (the caller's is 0, side streams 1..)
 
 
 @dataclass(frozen=True)
@@ -217,22 +215,31 @@ def step_ops(
     gpu: ReferenceGPU,
     *,
     one_stream: bool = False,
+    split: bool = False,
+    graphed: bool = False,
 ) -> list[SimOp]:
     """The ops of one training step of ``record`` with ``stage_stream`` placing stage calls.
 
     ``stage_stream`` maps the ``call_id`` of each stage call to its side stream (``0..``);
     every other op runs on the caller's stream. The forward joins each stage before the
     caller goes on; the backward is the forward reversed (module docstring).
-    ``one_stream``: the same ops on one stream, with no fork, join or wait.
+    ``one_stream``: the same ops on one stream, with no fork, join or wait (and no split).
+    ``split``: the weight-gradient split (module docstring). ``graphed``: priced as a
+    CUDA graph replay (module docstring).
     """
     from .cost import ELEMENTS_PER_BLOCK
     from .observe import CallRecord as Call
 
+    split = split and not one_stream
     ops: list[SimOp] = []
-    fwd: list[tuple[int, int, ObservedOp]] = []  # (sim index, stream, forward ObservedOp)
+    fwd: list[tuple[int, int, ObservedOp, bool]] = []  # (sim index, stream, op, split)
     last: dict[int, int] = {}  # stream -> its last op's index
-    half = gpu.fork_join_us / 2
+    # A replayed graph issues nothing per kernel; its event forks and joins are edges.
+    launch = 0.0 if graphed else gpu.launch_us
+    half = 0.0 if graphed else gpu.fork_join_us / 2
+    layer_host = split_host_us(gpu) / 2 if split and not graphed else 0.0  # each pass
     floor = gpu.kernel_floor_us
+    layers = {call.name for call in record.calls() if call.params}  # modules with weights
 
     def add(op: SimOp) -> int:
         ops.append(op)
@@ -254,50 +261,46 @@ def step_ops(
                     continue
                 if caller_last is not None:  # the fork: the stage's stream waits for ours
                     head = ops[first]
-                    ops[first] = SimOp(
-                        head.stream,
-                        head.device_us,
-                        head.occupancy,
-                        (*head.waits, caller_last),
-                        head.host_us + half,
-                        head.sync,
-                        head.floor_us,
-                    )
+                    waits = (*head.waits, caller_last)
+                    ops[first] = replace(head, waits=waits, host_us=head.host_us + half)
                 add(SimOp(0, 0.0, waits=(last[target],), host_us=half))  # the join
                 continue
             launches = item.device_us > 0
+            splits_here = split and launches and call.name in layers and splits(item.name)
+            host = (launch if launches else 0.0) + (layer_host if splits_here else 0.0)
             index = add(
                 SimOp(
                     stream,
                     item.device_us,
                     item.occupancy,
-                    host_us=gpu.launch_us if launches else 0.0,
+                    host_us=host,
                     floor_us=min(floor, item.device_us),
                 )
             )
             if launches:
-                fwd.append((index, stream, item))
+                fwd.append((index, stream, item, splits_here))
 
+    if graphed:  # the replay itself: one launch, before anything runs
+        add(SimOp(0, 0.0, host_us=gpu.launch_us))
     visit(record, 0)
     for _ in range(2):  # the loss (a reduction of the output) and its gradient's seed
-        add(SimOp(0, floor, 1 / gpu.sm_count, host_us=gpu.launch_us, floor_us=floor))
+        add(SimOp(0, floor, 1 / gpu.sm_count, host_us=launch, floor_us=floor))
     # Backward: the forward kernels in reverse order, each after its consumers' backward.
     producer: dict[int, int] = {}  # storage -> position in ``fwd`` of its last writer
     consumers: list[list[int]] = [[] for _ in fwd]
     first: list[bool] = []
-    for position, (_, _, op) in enumerate(fwd):
+    for position, (_, _, op, _) in enumerate(fwd):
         first.append(not any(key in producer for key in op.reads))
         for key in op.reads:
             if key in producer:
                 consumers[producer[key]].append(position)
         for key in (*op.writes, *op.fresh):
             producer[key] = position
-    back: dict[int, int] = {}  # forward position -> its backward op's index
+    back: dict[int, int] = {}  # forward position -> its (input-gradient) backward op's index
+    weight_grads: list[int] = []  # the dW ops, in backward order
     streams_used: set[int] = set()
     for position in range(len(fwd) - 1, -1, -1):
-        _, stream, op = fwd[position]
-        factor, launches = backward_cost(op.name, first[position])
-        device = op.device_us * factor
+        _, stream, op, splits_here = fwd[position]
         waits = tuple(
             sorted(
                 {
@@ -307,17 +310,33 @@ def step_ops(
                 }
             )
         )
-        back[position] = add(
-            SimOp(
-                stream,
-                device,
-                op.occupancy,
-                waits,
-                gpu.launch_us * launches + half * len(waits),
-                floor_us=min(floor, device),
-            )
-        )
         streams_used.add(stream)
+        if not splits_here:
+            factor, launches = backward_cost(op.name, first[position])
+            device = op.device_us * factor
+            host = launch * launches + half * len(waits)
+            back[position] = add(
+                SimOp(stream, device, op.occupancy, waits, host, floor_us=min(floor, device))
+            )
+            continue
+        (di_factor, di_launches), (dw_factor, dw_launches) = split_cost(op.name, first[position])
+        ready = last.get(stream)  # the output gradient is ready on the layer's stream after it
+        # The layer's stream waits on the dW launched SPLIT_LAG split layers before.
+        lag = (weight_grads[-SPLIT_LAG],) if len(weight_grads) >= SPLIT_LAG else ()
+        device = op.device_us * di_factor
+        host = launch * di_launches + half * (len(waits) + len(lag)) + layer_host
+        back[position] = add(
+            SimOp(stream, device, op.occupancy, (*waits, *lag), host, floor_us=min(floor, device))
+        )
+        # dW on the weight-gradient stream, after an event recorded once the output
+        # gradient is ready (the fork), concurrent with the next layer's dI.
+        device = op.device_us * dw_factor
+        ordered = (*waits, *(() if ready is None else (ready,)))
+        host = launch * dw_launches + half
+        weight_grads.append(
+            add(SimOp(_WGRAD, device, op.occupancy, ordered, host, floor_us=min(floor, device)))
+        )
+        streams_used.add(_WGRAD)
     sides = sorted(s for s in streams_used if s != 0)
     if sides:  # the caller's stream waits for every side stream at the end of backward
         waits = tuple(last[s] for s in sides)
@@ -329,14 +348,34 @@ def step_ops(
             blocks = max(1, -(-numel // ELEMENTS_PER_BLOCK))
             occupancy = min(1.0, blocks / gpu.sm_count)
             device = 3 * numel * size / (gpu.memory_bandwidth * occupancy) * 1e6 + floor
-            add(SimOp(0, device, occupancy, host_us=gpu.launch_us, floor_us=floor))
+            add(SimOp(0, device, occupancy, host_us=launch, floor_us=floor))
     return ops
 
 
-def estimate_step(
-    record: CallRecord, stage_stream: Mapping[int, int], gpu: ReferenceGPU, *, share: bool = True
+def estimate_arm(
+    record: CallRecord,
+    stage_ids: Mapping[int, int],
+    gpu: ReferenceGPU,
+    *,
+    split: bool = False,
+    graphed: bool = False,
 ) -> StepEstimate:
-    """The simulated step of ``record`` with ``stage_stream`` against one stream."""
-    wrapped = simulate(step_ops(record, stage_stream, gpu), share=share).length_us
-    serial = simulate(step_ops(record, {}, gpu, one_stream=True), share=share).length_us
-    return StepEstimate(wrapped, serial, gpu.name)
+    """The one estimate of a candidate plan ("arm"): its simulated step against the plain
+    model's, both priced alike. Every figure shown for a plan (its table, ``check()``, the
+    command line) comes from here.
+
+    Args:
+        record: the observed forward (:func:`~ooo_wrap._planner.observe.observe`).
+        stage_ids: the ``call_id`` of each stage call -> its side stream (``0..``); empty
+            for no stage (the split alone, or nothing).
+        gpu: the reference GPU of the costs.
+        split: with the weight-gradient split in force (module docstring).
+        graphed: priced as a CUDA graph replay, the plain model's step too.
+
+    Returns:
+        The :class:`~ooo_wrap._plan.StepEstimate`: the arm's step (``wrapped_us``) and the
+        plain model's (``one_stream_us``: every op on one stream, no split), on ``gpu``.
+    """
+    wrapped = simulate(step_ops(record, stage_ids, gpu, split=split, graphed=graphed)).length_us
+    plain = simulate(step_ops(record, {}, gpu, one_stream=True, graphed=graphed)).length_us
+    return StepEstimate(wrapped, plain, gpu.name, graphed=graphed, split=split)

@@ -86,7 +86,6 @@ def plain_arm(plan: Plan) -> Arm:
     return Arm("plain", dataclasses.replace(plan, stages=()), split=False)
 
 
-
 def candidates(
     stage_plans: Sequence[tuple[str, Plan]],
     *,

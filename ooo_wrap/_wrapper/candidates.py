@@ -16,7 +16,7 @@ from .._planner.api import reference_gpu
 from .._planner.cost import ReferenceGPU
 from .._planner.learned_plan import learned_of
 from .._planner.placement import named_chain
-from .._planner.simulate import simulate, step_ops
+from .._planner.simulate import estimate_arm
 from .._planner.static import static_plan
 from .._runtime.wgrad import split_layers
 from .arms import Arm, candidates, plain_arm, raced
@@ -29,18 +29,21 @@ ArmEstimate = Callable[[Plan, bool], "tuple[float, str] | None"]
 
 
 def arm_estimate(learned: Plan, gpu: ReferenceGPU) -> ArmEstimate:
-    """Estimates from the forward ``learned`` (a dataflow plan) was learned from; none
-    for a plan with no observed forward (the static planner's) or with the split, which
-    the simulator does not price."""
+    """Estimates from the forward ``learned`` (a dataflow plan) was learned from, priced
+    as it was learned (eager launches, or a CUDA graph replay); none for a plan with no
+    observed forward (the static planner's)."""
     found = learned_of(learned)
     record = None if found is None else found.record
+    graphed = found is not None and found.estimate is not None and found.estimate.graphed
 
     def estimate(plan: Plan, split: bool) -> tuple[float, str] | None:
-        if record is None or split:
+        if record is None:
             return None
         streams = {stage.name: stage.stream for stage in plan.stages}
         ids = {call.call_id: streams[call.name] for call in record.calls() if call.name in streams}
-        return simulate(step_ops(record, ids, gpu, one_stream=not ids)).length_us, gpu.name
+        if not ids and not split:  # plain: the one-stream step
+            return estimate_arm(record, {}, gpu, graphed=graphed).one_stream_us, gpu.name
+        return estimate_arm(record, ids, gpu, split=split, graphed=graphed).wrapped_us, gpu.name
 
     return estimate
 

@@ -72,10 +72,13 @@ def _learned(
     named: Plan | None,
     gpu: ReferenceGPU,
     by_simulation: bool | None,
+    graphed: bool,
 ) -> Plan:
     names = None if named is None else [stage.name for stage in named.stages]
     source: StageSource = "dataflow" if named is None else named.source
-    learned = learn(record, streams, gpu=gpu, stages=names, by_simulation=by_simulation)
+    learned = learn(
+        record, streams, gpu=gpu, stages=names, by_simulation=by_simulation, graphed=graphed
+    )
     return learned.to_plan(model, source)
 
 
@@ -105,9 +108,13 @@ class Learner:
         gpu: ReferenceGPU | None = None,
         log: EventLog | None = None,
         by_simulation: bool | None = None,
+        graphed: bool = False,
     ) -> None:
         # Keep only regions the estimate says pay (None: the planner's default).
         self._by_simulation = by_simulation
+        # How the plan is priced: as a CUDA graph replay of the step, or eager launches.
+        # Set before the observed forward (``registry.price_as_graph_replay``).
+        self.graphed = graphed
         self._counters = counters
         self._accumulators = accumulators
         self._gpu = gpu  # None: the default reference, read when learning
@@ -212,7 +219,8 @@ class Learner:
             named = named_stages(module, self._streams, stages)
             named = None if named is None else self._as_given(named)
             gpu = reference_gpu(self._gpu)
-            plan = _learned(module, observer.record, self._streams, named, gpu, self._by_simulation)
+            judge, graphed = self._by_simulation, self.graphed
+            plan = _learned(module, observer.record, self._streams, named, gpu, judge, graphed)
             return Learned(plan, None, removed)
         except Exception as error:
             return self._failed(

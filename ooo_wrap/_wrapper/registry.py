@@ -21,6 +21,7 @@ __all__ = [
     "is_wrapped",
     "mark_graphed",
     "plan_pending",
+    "price_as_graph_replay",
     "root_hooks_lifted",
     "runs_plain",
     "stage_of",
@@ -124,3 +125,14 @@ def mark_graphed(model: nn.Module) -> None:
     state = wrapped.get(model)
     if state is not None:
         state.graphed(model)
+
+
+def price_as_graph_replay(model: nn.Module) -> bool:
+    """Have the plan of ``model``, still to be learned, priced as a CUDA graph replay of its
+    step (``learn(..., graphed=True)``); whether it was still to be learned."""
+    state = wrapped.get(model)
+    learner = None if state is None or state.phase is not Phase.LEARNING else state.learner
+    if learner is None:
+        return False
+    learner.graphed = True
+    return True

@@ -15,13 +15,14 @@ from torch.utils.hooks import RemovableHandle
 
 from .._errors import OOOConfigError, positive_int
 from .._events import EventKind
-from .._plan import plural
-from .._planner.cost import H200, GPULike, as_reference_gpu
+from .._plan import StepEstimate, plural
+from .._planner.api import check_graphed
+from .._planner.cost import H200, GPULike, ReferenceGPU, as_reference_gpu
 from .._planner.learned_plan import learned_of
 from .._tensors import map_leaves, named_tensors
 from .._wrapper.module import OOOModule
 from .._wrapper.options import Planner, SplitWeightGrads
-from .._wrapper.registry import events_for, runs_plain
+from .._wrapper.registry import events_for, price_as_graph_replay, runs_plain
 from ._detect import DetectingBackend, detect
 from ._detection import Detection
 from ._engine import CHECKED_TORCH
@@ -49,6 +50,7 @@ def check(
     capture: bool = False,
     gpu: GPULike | None = None,
     split_weight_grads: SplitWeightGrads = "auto",
+    graphed: bool = False,
 ) -> CheckReport:
     """Train a copy of ``model`` on virtual streams and report every stream race.
 
@@ -87,6 +89,10 @@ def check(
         split_weight_grads: as for :class:`~ooo_wrap.OOOModule`; ``True`` checks every
             split layer's weight gradient on the weight-gradient stream (the checker does
             not tune, so ``"auto"``, the default, leaves it off).
+        graphed: price the step as a CUDA graph replay (no per-kernel launch on the host,
+            event forks and joins as graph edges), for a step that will run under
+            ``graphed_step``: the ``dataflow`` planner learns the plan so priced, and the
+            report's estimates are. ``False``: eager launches.
 
     Returns:
         a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
@@ -116,6 +122,7 @@ def check(
             "check it before wrapping, or pass ooo_wrap.unwrap(model)"
         )
     positive_int(steps, "steps")
+    check_graphed(graphed, "check(): graphed")
     if capture and planner == "dataflow" and steps < 2:
         raise OOOConfigError(
             "check(capture=True) with the dataflow planner needs steps >= 2: the plan is "
@@ -135,6 +142,8 @@ def check(
         gpu=measured,
         split_weight_grads=split_weight_grads,
     )
+    if graphed:
+        price_as_graph_replay(wrapped)
     plain = copy.deepcopy(model)
     wrapped_inputs, plain_inputs = _fresh((inputs, kwargs)), _fresh((inputs, kwargs))
     with detect(backend, keep_alive=[wrapped], gpu=measured or H200) as found:
@@ -166,10 +175,21 @@ def check(
         overlap_forward=overlap_forward,
         gpu=measured or H200,
         learning_step=1 if planner == "dataflow" else None,
+        plan_estimate=_plan_estimate(wrapped, measured or H200, split_weight_grads, graphed),
+        graphed=graphed,
+        split=split_weight_grads is True,
         not_checked=_not_checked(
             wrapped, learned_on_last_step=planner == "dataflow" and steps == 1
         ),
     )
+
+
+def _plan_estimate(
+    wrapped: nn.Module, gpu: ReferenceGPU, split: SplitWeightGrads, graphed: bool
+) -> StepEstimate | None:
+    """The checked plan's one estimate, as its table's (``None``: learned from no forward)."""
+    learned = learned_of(wrapped.plan) if isinstance(wrapped, OOOModule) else None
+    return None if learned is None else learned.arm(gpu, split=split is True, graphed=graphed)
 
 
 def torch_version_note(version: str | None = None) -> str | None:

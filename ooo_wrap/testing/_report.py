@@ -81,6 +81,11 @@ class CheckReport:
         learning_step: the step (from 1) that ran inline while the ``dataflow`` planner
             learned the plan, marked in :meth:`save_timeline` and :meth:`save_trace`;
             ``None`` when no step did (the ``static`` planner).
+        plan_estimate: the checked plan's estimate, as its table gives it (the learned
+            forward's step with the checked streams, and the split if it was in force),
+            or ``None`` for a plan learned from no forward (the ``static`` planner).
+        graphed: the estimates are priced as a CUDA graph replay (``check(graphed=True)``).
+        split: the weight-gradient split was in force (``split_weight_grads=True``).
 
     Example::
 
@@ -103,6 +108,9 @@ class CheckReport:
     overlap_forward: bool = False
     gpu: ReferenceGPU = H200
     learning_step: int | None = None
+    plan_estimate: StepEstimate | None = None
+    graphed: bool = False
+    split: bool = False
 
     @property
     def ok(self) -> bool:
@@ -132,8 +140,19 @@ class CheckReport:
             lines.append("  ops per stream   forward  backward  step")
             for row in self.ops:
                 lines.append(f"    {row.stream:<13}{row.forward:>8}{row.backward:>10}{row.step:>6}")
+        if self.plan_estimate is not None:
+            lines.append(f"  {self.plan_estimate} (the plan's estimate, as its table shows it)")
         if self.trace:
-            lines.append(f"  {self.estimate}")
+            timeline = self.timeline_estimate
+            if self.plan_estimate is None:
+                lines.append(f"  {timeline} (the recorded step's ops laid out)")
+            else:
+                lines.append(
+                    f"    (the timeline of save_timeline and save_trace lays out the ops the "
+                    f"CPU recorded instead, the backward as the engine ran it: "
+                    f"{timeline.wrapped_us:.1f} µs vs {timeline.one_stream_us:.1f} µs, "
+                    f"{timeline.speedup:.2f}x)"
+                )
         for race in self.races:
             lines.append(f"  race: {race}")
         for hazard in self.allocator_hazards:
@@ -153,12 +172,24 @@ class CheckReport:
 
     @property
     def estimate(self) -> StepEstimate:
-        """The last step's estimated length on the wrapped schedule and on one stream."""
+        """The one estimate of the checked plan: :attr:`plan_estimate`, the figure its
+        table shows, where the plan was learned from a forward; else
+        :attr:`timeline_estimate`."""
+        return self.plan_estimate if self.plan_estimate is not None else self.timeline_estimate
+
+    @property
+    def timeline_estimate(self) -> StepEstimate:
+        """The last step's recorded ops laid out on the wrapped streams and on one stream,
+        as :meth:`save_timeline` draws them (the backward as the engine ran it on the CPU,
+        not modelled from the forward)."""
         steps = split_steps(self.trace)
         last = steps[-1] if steps else []
-        wrapped = lay_out(last, gpu=self.gpu)
-        serial = lay_out(last, one_stream=True, gpu=self.gpu)
-        return StepEstimate(wrapped.length_us, serial.length_us, wrapped.gpu.name)
+        wrapped = lay_out(last, gpu=self.gpu, graphed=self.graphed)
+        serial = lay_out(last, one_stream=True, gpu=self.gpu, graphed=self.graphed)
+        name = wrapped.gpu.name
+        return StepEstimate(
+            wrapped.length_us, serial.length_us, name, graphed=self.graphed, split=self.split
+        )
 
     def raise_if_failed(self) -> None:
         """Raise :class:`CheckFailed` (an ``OOOError``) with this report unless :attr:`ok`."""
@@ -179,7 +210,7 @@ class CheckReport:
         args carry its stage (also for ops of a branch the plan kept on the caller's
         stream), stream, phase and number.
         """
-        timeline = lay_out(self.trace, gpu=self.gpu)
+        timeline = lay_out(self.trace, gpu=self.gpu, graphed=self.graphed)
         with open(path, "w", encoding="utf-8") as file:
             json.dump({"traceEvents": trace_events(timeline, self), "displayTimeUnit": "ns"}, file)
 
@@ -212,8 +243,9 @@ class CheckReport:
                 "save_timeline(): this report has no ops to draw "
                 f"({self.not_checked or 'nothing was recorded'})"
             )
-        timeline = lay_out(self.trace, gpu=self.gpu)
-        save_picture(timeline, path, learning_step=self.learning_step, subtitle=str(self.estimate))
+        timeline = lay_out(self.trace, gpu=self.gpu, graphed=self.graphed)
+        subtitle = str(self.timeline_estimate)
+        save_picture(timeline, path, learning_step=self.learning_step, subtitle=subtitle)
 
 
 def trace_events(timeline: Timeline, report: CheckReport) -> list[dict[str, object]]:

@@ -18,7 +18,8 @@ checker's speak of the same step:
    latency, is not shared).
 
 The same ops laid out on one stream (every op after the previous one, no waits, no
-fork/join cost) give the baseline the report compares against.
+fork/join cost) give the baseline the report compares against. ``graphed=True`` lays them
+out as a CUDA graph replays them: no launch or event costs the host anything.
 """
 
 from __future__ import annotations
@@ -62,7 +63,11 @@ class Timeline:
 
 
 def lay_out(
-    records: Sequence[OpRecord], *, one_stream: bool = False, gpu: ReferenceGPU = H200
+    records: Sequence[OpRecord],
+    *,
+    one_stream: bool = False,
+    gpu: ReferenceGPU = H200,
+    graphed: bool = False,
 ) -> Timeline:
     """Place ``records`` on the estimated time axis (see the module docstring).
 
@@ -71,7 +76,10 @@ def lay_out(
         one_stream: lay the same ops out on a single stream instead.
         gpu: whose host costs (launch, fork/join) apply; the ops' device costs were
             estimated when they were recorded.
+        graphed: as a CUDA graph replay: no host cost per launch or event wait.
     """
+    launch = 0.0 if graphed else gpu.launch_us
+    half = 0.0 if graphed else gpu.fork_join_us / 2
     record_of: dict[tuple[int, int], OpRecord] = {}
     index_of: dict[int, int] = {}  # seq -> position in ``records``
     last_clock: dict[int, dict[int, int]] = {}
@@ -80,13 +88,13 @@ def lay_out(
     for position, record in enumerate(records):
         own = record.stream_index
         clock = dict(record.clock)
-        host = gpu.launch_us if record.cost_us > 0 else 0.0
+        host = launch if record.cost_us > 0 else 0.0
         sources: list[int] = []
         if not one_stream:
             for source in _direct_waits(clock, last_clock.get(own, {}), own, record_of):
                 waits.append((source.seq, record.seq))
                 sources.append(index_of[source.seq])
-                host += gpu.fork_join_us / 2
+                host += half
             last_clock[own] = clock
         floor = min(gpu.kernel_floor_us, record.cost_us)
         ops.append(

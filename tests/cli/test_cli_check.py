@@ -87,6 +87,33 @@ def test_a_broken_capture_rule_is_a_finding_in_one_line() -> None:
     )
 
 
+def test_graphed_prices_as_a_graph_replay_and_keeps_what_eager_pricing_rejects() -> None:
+    argv = ["tests.support.cli_factories:graph_towers", "--input", "16x256"]
+    eager = run_cli("plan", *argv)
+    assert eager.status == 0, eager.err
+    assert "Learned plan (no_parallelism)" in eager.out
+    assert "priced as eager launches" in eager.out
+    assert "each stage under its 10.0 µs fork/join" in eager.out  # eager says why not
+    graphed = run_cli("plan", *argv, "--graphed")
+    assert graphed.status == 0, graphed.err
+    assert "Learned plan (parallel): 3 stages in 1 region" in graphed.out
+    assert "priced as a CUDA graph replay" in graphed.out
+    assert "priced as eager launches" not in graphed.out
+    checked = run_cli("check", *argv, "--graphed")
+    assert (checked.status, checked.err) == (0, ""), checked.out
+    assert checked.out.startswith("ooo_wrap check: OK (2 steps; 0 races")
+    assert "priced as eager launches" not in checked.out
+    headline = next(line for line in checked.out.splitlines() if "the plan's estimate" in line)
+    assert "priced as a CUDA graph replay" in headline
+    # The plan's table and the check give the one figure.
+    figure = next(line for line in graphed.out.splitlines() if "estimated step:" in line)
+    assert figure.strip() in headline
+    plain = run_cli("check", *argv)
+    assert plain.status == 1 and "NOT CHECKED" in plain.out  # eagerly: no_parallelism
+    static = run_cli("plan", "tests.support.cli_factories:graph_towers", "--graphed")
+    assert "note: --graphed prices the plan the dataflow planner learns" in static.out
+
+
 def test_overlap_forward_checks_deferred_joins() -> None:
     argv = ["check", "examples.quickstart:build_model", "--input", "512x64"]
     serial, deferred = run_cli(*argv), run_cli(*argv, "--overlap-forward")

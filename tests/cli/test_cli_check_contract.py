@@ -26,6 +26,7 @@ DEFAULTS = {
     "example_kwargs": None,
     "gpu": None,
     "split_weight_grads": "auto",
+    "graphed": False,
 }
 
 
@@ -169,3 +170,10 @@ def test_check_passes_split_weight_grads(fake_check: FakeCheck) -> None:
         run_cli(*argv, "--split-weight-grads", value)
     passed = [call[2]["split_weight_grads"] for call in fake_check.calls]
     assert passed == [True, False, "auto"]
+
+
+def test_check_passes_graphed(fake_check: FakeCheck) -> None:
+    argv = ["check", "examples.quickstart:build_model", "--input", "8x64"]
+    run_cli(*argv)
+    run_cli(*argv, "--graphed")
+    assert [call[2]["graphed"] for call in fake_check.calls] == [False, True]

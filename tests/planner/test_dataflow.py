@@ -18,7 +18,7 @@ from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import LearnedPlan, _nested, learn, learn_plan
 from ooo_wrap._planner.observe import observe
 from ooo_wrap._planner.placement import assign_named, assign_regions
-from ooo_wrap._planner.simulate import estimate_step
+from ooo_wrap._planner.simulate import estimate_arm
 from ooo_wrap.testing import check
 from tests.support import dataflow_models as models
 from tests.support.models import SHAPES, Shape
@@ -417,7 +417,7 @@ def _clip_plans() -> tuple[LearnedPlan, float]:
     learned = learn_plan(model, models.clip_inputs(), streams=4)
     static = {s.name: s.stream for s in ooo_wrap.plan(model, streams=4).stages}
     ids = {c.call_id: static[c.name] for c in learned.record.calls() if c.name in static}
-    return learned, estimate_step(learned.record, ids, H200).wrapped_us
+    return learned, estimate_arm(learned.record, ids, H200).wrapped_us
 
 
 def test_clip_learns_a_plan_no_worse_than_the_static_one_and_its_towers_share_no_stream() -> None:
@@ -446,8 +446,8 @@ def test_clip_runs_the_image_towers_cheap_projection_on_its_stream_where_that_pa
     ids = {c.name: c.call_id for c in record.calls()}
     inline = {ids["patch_embed"]: 0, ids["vision"]: 0}
     linked = {**inline, ids["visual_projection"]: 0}
-    on_caller = estimate_step(record, inline, H200).wrapped_us
-    on_side = estimate_step(record, linked, H200).wrapped_us
+    on_caller = estimate_arm(record, inline, H200).wrapped_us
+    on_side = estimate_arm(record, linked, H200).wrapped_us
     assert on_side < on_caller - 100.0, (on_side, on_caller)
     walk = assign_regions(record, 4, H200, linked=frozenset({root.key}))
     assert ids["visual_projection"] in walk.stage_stream
@@ -495,7 +495,7 @@ def test_a_region_that_takes_its_inner_regions_streams_is_judged_against_neither
     (root,) = learned.regions
     inner_only = assign_regions(record, 1, H200, vetoed=frozenset({root.key})).stage_stream
     assert len(inner_only) == 16  # k_proj and v_proj of 8 blocks
-    inner_us = estimate_step(record, inner_only, H200).wrapped_us
+    inner_us = estimate_arm(record, inner_only, H200).wrapped_us
     assert learned.estimate.wrapped_us < inner_us - 100.0, (learned.estimate, inner_us)
     towers = towers_per_side_stream(learned.stage_streams)
     assert towers == {0: {"image"}}

@@ -15,7 +15,7 @@ from ooo_wrap._plan import StepEstimate
 from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import MIN_GAIN_US, learn_plan
 from ooo_wrap._planner.placement import assign_regions
-from ooo_wrap._planner.simulate import SimOp, estimate_step, simulate
+from ooo_wrap._planner.simulate import SimOp, estimate_arm, simulate
 from ooo_wrap.testing import check
 from tests.support import dataflow_models as models
 
@@ -155,8 +155,8 @@ def test_the_heaviest_branch_leaves_the_callers_stream_only_where_the_simulation
     kept = assign_regions(learned.record, 4, H200)
     (region,) = kept.regions
     moved = assign_regions(learned.record, 4, H200, moved=frozenset({region.key}))
-    on_caller = estimate_step(learned.record, kept.stage_stream, H200).wrapped_us
-    on_side = estimate_step(learned.record, moved.stage_stream, H200).wrapped_us
+    on_caller = estimate_arm(learned.record, kept.stage_stream, H200).wrapped_us
+    on_side = estimate_arm(learned.record, moved.stage_stream, H200).wrapped_us
     assert (on_side < on_caller - MIN_GAIN_US) is moves, (on_side, on_caller)
     assert learned.estimate is not None
     assert learned.estimate.wrapped_us == pytest.approx(on_side if moves else on_caller)
@@ -186,9 +186,45 @@ def test_the_plan_estimate_agrees_with_the_checkers_for_the_same_plan() -> None:
     assert learned.stages and learned.estimate is not None
     report = check(model, x)
     assert report.ok
-    planned, checked = learned.estimate, report.estimate
+    # The simulator's modelled backward against the backward the checker recorded.
+    planned, checked = learned.estimate, report.timeline_estimate
     assert planned.wrapped_us == pytest.approx(checked.wrapped_us, rel=0.10)
     assert planned.one_stream_us == pytest.approx(checked.one_stream_us, rel=0.10)
+
+
+def test_the_quickstart_gets_one_estimate_in_its_table_and_check() -> None:
+    from examples import quickstart
+
+    model, x = quickstart.build_model(), quickstart.example_input()
+    table = ooo_wrap.plan(model, example_inputs=(x,)).estimate
+    report = check(model, x)
+    assert report.ok and table is not None
+    assert report.estimate.speedup == pytest.approx(table.speedup, rel=0.01)
+    assert report.estimate.wrapped_us == pytest.approx(table.wrapped_us, rel=0.01)
+    # One headline: the report prints the plan's figure once as the estimate, and names
+    # the timeline's figure for what it covers.
+    lines = str(report).splitlines()
+    headlines = [line for line in lines if line.strip().startswith("estimated step:")]
+    assert len(headlines) == 1 and f"({table.speedup:.2f}x)" in headlines[0]
+    assert "the plan's estimate, as its table shows it" in headlines[0]
+    assert any("the timeline of save_timeline and save_trace" in line for line in lines)
+    learned_note = next(line for line in lines if "planned/learned" in line)
+    assert f"({table.speedup:.2f}x)" in learned_note
+
+
+def test_check_prices_the_split_it_checks() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    x = torch.randn(8, 64)
+    report = check(model, x, stages=["0", "1"], split_weight_grads=True)
+    assert report.ok
+    learned = ooo_wrap.plan(model, stages=["0", "1"], example_inputs=(x,)).learned
+    assert report.plan_estimate is not None and report.plan_estimate.split
+    assert learned is not None
+    assert report.plan_estimate == learned.arm(H200, split=True)  # type: ignore[attr-defined]
+    assert "on these streams with the weight-gradient split" in str(report)
+    with pytest.raises(ooo_wrap.OOOConfigError, match=r"check\(\): graphed must be True or"):
+        check(model, x, graphed=1)  # type: ignore[arg-type]
 
 
 def test_a_long_step_finishes() -> None:

@@ -338,6 +338,59 @@ def test_the_gpu_kit_lists_every_benchmark_mode_and_runs_them_in_step_c() -> Non
     assert sizes.count(f" x {count} modes x ") == 1 and sizes.count(f"each {count} modes x ") == 1
 
 
+# --- docs/planner.md: the two pricings, and the split's ---------------------------------------
+
+PRICING_HEADER = ("case", "pricing", "plan", "estimated step, plan / plain", "speed-up")
+
+
+def test_the_planner_page_shows_both_pricings_as_estimate_arm_gives_them() -> None:
+    from torch import nn
+
+    from benchmarks.models import Towers
+    from ooo_wrap._planner.cost import H200
+    from ooo_wrap._planner.dataflow import learn
+    from ooo_wrap._planner.observe import observe
+    from ooo_wrap._planner.simulate import estimate_arm
+
+    rows = doc_tables.table(PLANNER, PRICING_HEADER)
+    assert len(rows) == 6
+    pricing = {False: "eager launches", True: "CUDA graph replay"}
+
+    def cells(estimate: ooo_wrap.StepEstimate) -> dict[str, str]:
+        return {
+            "estimated step, plan / plain": (
+                f"{estimate.wrapped_us:.1f} / {estimate.one_stream_us:.1f} µs"
+            ),
+            "speed-up": f"{estimate.speedup:.2f}x",
+        }
+
+    wrong: list[str] = []
+    with torch.device("meta"):
+        towers, x = Towers(8, 2048, 4), torch.randn(16, 2048)
+        chain = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))
+    record = observe(towers, (x,))
+    towers_rows = [r for r in rows if r["case"].startswith("8 towers")]
+    for shown, graphed in zip(towers_rows, (False, True), strict=True):
+        learned = learn(record, 4, gpu=H200, graphed=graphed)
+        assert learned.estimate is not None and shown["pricing"] == pricing[graphed]
+        streams = len({stage.stream for stage in learned.stages})
+        plan = f"{len(learned.stages)} stages on {streams} side streams"
+        assert (plan if learned.stages else "`no_parallelism`") in shown["plan"]
+        wrong += doc_tables.differences(PLANNER, shown["case"], shown, cells(learned.estimate))
+    assert "host-bound: 30.9 µs of kernels, 35.0 µs to launch" in str(learn(record, 4, gpu=H200)), (
+        "the eager row's reason"
+    )
+    for batch in (8, 4096):
+        with torch.device("meta"):
+            chained = observe(chain, (torch.randn(batch, 1024),))
+        shown_rows = [r for r in rows if f"batch {batch}, split" in r["case"]]
+        for shown, graphed in zip(shown_rows, (False, True), strict=True):
+            assert shown["pricing"] == pricing[graphed]
+            estimate = estimate_arm(chained, {}, H200, split=True, graphed=graphed)
+            wrong += doc_tables.differences(PLANNER, shown["case"], shown, cells(estimate))
+    assert not wrong, "\n".join(wrong)
+
+
 # --- every table of the docs is checked, or is reference text -------------------------------
 
 # Each table of README.md and docs/*.md, by page and header: the test file that compares it
@@ -355,6 +408,7 @@ TABLES: dict[tuple[str, tuple[str, ...]], str | None] = {
     ("gpu-kit.md", GPU_KIT_STEPS): "tests/project/test_docs_figures.py",
     ("gpu-kit.md", ("mode", "switch", "what one step is")): "tests/project/test_docs_figures.py",
     ("planner.md", ("model", "learned outcome")): "tests/wrapper/test_learned_wrap.py",
+    ("planner.md", ("case", "pricing")): "tests/project/test_docs_figures.py",
     ("stages-and-events.md", ("condition", "behaviour", "event (`kind`/`reason`)")): None,
     ("torch-versions.md", ("API", "added", "in 2.6 / 2.11", "guard")): None,
     ("tuning-and-performance.md", ("what the command prints", "value")): (

@@ -27,6 +27,15 @@ def chain() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
 
 
+def graph_towers() -> nn.Module:
+    """Four towers of two Linear(256, 256): at batch 16 their kernels are shorter than their
+    launches, so eager pricing rejects the region (host-bound) and graph pricing keeps it."""
+    from benchmarks.models import Towers
+
+    torch.manual_seed(0)
+    return Towers(4, 256, 2)
+
+
 def on_meta() -> nn.Module:
     """Parameters without data, as a model built under ``torch.device("meta")`` has."""
     with torch.device("meta"):
