@@ -101,17 +101,14 @@ def tuning_key(
     world_size: int,
     device: torch.device,
 ) -> dict[str, object]:
-    """Everything that can change which arm wins, as JSON-ready data (see :func:`key_digest`).
+    """Everything that can change which arm wins, as JSON data (see :func:`key_digest`).
 
-    The model's structure (module names and classes, parameter and buffer shapes, dtypes
-    and ``requires_grad``, in order; not their values), the learned plan's fingerprint, the
-    wrapper options, the set of input signatures raced (order and repeats do not matter),
-    the autocast dtype in force for ``device`` where this is called (``None`` when off),
-    the optimizer's type, the world size, the device (for CUDA, its name, compute
-    capability, SM count and memory, which tell MIG slices apart, read only if CUDA is
-    already initialized), the torch, CUDA, HIP, cuDNN, driver and ooo_wrap versions, and
-    the math settings that change kernels (TF32, matmul precision, ``cudnn.benchmark``,
-    determinism).
+    The model's structure (module names and classes; parameter and buffer shapes, dtypes
+    and ``requires_grad``, in order; not values), the plan's fingerprint, the options, the
+    set of input signatures raced, the autocast dtype in force for ``device`` here, the
+    optimizer's type, the world size, the device (for CUDA, read only once CUDA is
+    initialized: name, capability, SMs and memory, which tell MIG slices apart), the
+    software versions and the math settings that change kernels.
 
     Raises:
         TypeError: an option's value is not plain data (str, number, bool, None, dtype,
@@ -123,10 +120,7 @@ def tuning_key(
         "options": {
             str(name): _plain(value, f"option {name!r}") for name, value in options.items()
         },
-        "inputs": [
-            [[list(shape), dtype] for shape, dtype in one]
-            for one in sorted({_signature(one) for one in shapes})
-        ],
+        "inputs": [json.loads(one) for one in sorted({_signature(one) for one in shapes})],
         "autocast": _autocast(device),
         "optimizer": optimizer,
         "world_size": world_size,
@@ -203,8 +197,8 @@ def _plain(value: object, where: str) -> object:
     )
 
 
-def _signature(signature: Signature) -> tuple[tuple[tuple[int, ...], str], ...]:
-    return tuple((tuple(int(n) for n in shape), str(dtype)) for shape, dtype in signature)
+def _signature(signature: Signature) -> str:
+    return _canonical([[[int(n) for n in shape], str(dtype)] for shape, dtype in signature])
 
 
 def _autocast(device: torch.device) -> str | None:
@@ -279,8 +273,7 @@ class TuningCache:
         if _canonical(data.get("key")) != _canonical(key):
             _log.info("ooo_wrap: %s holds another key with the same digest: a miss", path)
             return None
-        record: dict[str, object] = data["record"]
-        return record
+        return dict(data["record"])
 
     def store(self, key: Mapping[str, object], record: Mapping[str, object]) -> None:
         """Write ``record`` for ``key``, replacing what was there in one rename.
