@@ -117,9 +117,7 @@ def tuning_key(
     return {
         "model": _structure(model),
         "plan": plan_fingerprint,
-        "options": {
-            str(name): _plain(value, f"option {name!r}") for name, value in options.items()
-        },
+        "options": {str(name): _option(str(name), value) for name, value in options.items()},
         "inputs": [json.loads(one) for one in sorted({_signature(one) for one in shapes})],
         "autocast": _autocast(device),
         "optimizer": optimizer,
@@ -175,26 +173,26 @@ def _structure(model: nn.Module) -> dict[str, object]:
     }
 
 
-def _plain(value: object, where: str) -> object:
-    """``value`` as JSON data, or ``TypeError`` naming ``where``."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, enum.Enum):
-        return _plain(value.value, where)
+def _option(name: str, value: object) -> object:
+    """``value`` as JSON data, or ``TypeError`` naming the option."""
+    try:
+        return json.loads(json.dumps(value, default=_jsonable, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"ooo_wrap: the tuning key's option {name!r} is not plain data ({error}): pass a "
+            f"str, finite number, bool, None, dtype, device, enum, dataclass, or a list, "
+            f"tuple or str-keyed mapping of these"
+        ) from None
+
+
+def _jsonable(value: object) -> object:
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, enum.Enum):
+        return value.value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a ReferenceGPU
-        fields = dataclasses.fields(value)
-        return {f.name: _plain(getattr(value, f.name), f"{where}.{f.name}") for f in fields}
-    raise TypeError(
-        f"ooo_wrap: the tuning key's {where} is a {type(value).__name__}, which has no "
-        f"stable value across runs: pass a str, number, bool, None, dtype, device, enum, "
-        f"dataclass, or a list, tuple or mapping of these"
-    )
+        return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
+    raise TypeError(f"a {type(value).__name__}, whose value is not stable across runs")
 
 
 def _signature(signature: Signature) -> str:

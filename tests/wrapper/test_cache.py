@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import multiprocessing
 import os
@@ -284,11 +285,24 @@ def test_what_cannot_change_the_winner_leaves_the_digest() -> None:
 
 
 def test_options_become_json_or_an_error_naming_the_option() -> None:
-    key = _key(options={"gpu": H200, "dtype": torch.float16, "stages": ("a", "b")})
+    class Planner(enum.Enum):
+        DATAFLOW = "dataflow"
+
+    options = {
+        "gpu": H200,
+        "dtype": torch.float16,
+        "stages": ("a", "b"),
+        "planner": Planner.DATAFLOW,
+    }
+    key = _key(options=options)
+    assert key["options"]["planner"] == "dataflow"  # type: ignore[index]
+    assert key["options"]["dtype"] == "torch.float16"  # type: ignore[index]
     assert key["options"]["gpu"]["name"] == H200.name  # type: ignore[index]
     assert key["options"]["stages"] == ["a", "b"]  # type: ignore[index]
-    with pytest.raises(TypeError, match=r"option 'backend' is a SimulatedBackend"):
+    with pytest.raises(TypeError, match=r"option 'backend' is not plain data \(a SimulatedBack"):
         _key(options={"backend": SimulatedBackend()})
+    with pytest.raises(TypeError, match=r"option 'tune_steps' is not plain data \(Out of range"):
+        _key(options={"tune_steps": float("nan")})
 
 
 # --- the files -------------------------------------------------------------------------
