@@ -99,16 +99,16 @@ def tuning_key(
     shapes: Iterable[Signature],
     optimizer: str | None,
     world_size: int,
-    device: torch.device,
+    device: torch.device | None,
 ) -> dict[str, object]:
     """Everything that can change which arm wins, as JSON data (see :func:`key_digest`).
 
     The model's structure (module names and classes; parameter and buffer shapes, dtypes
     and ``requires_grad``, in order; not values), the plan's fingerprint, the options, the
     set of input signatures raced, the autocast dtype in force for ``device`` here, the
-    optimizer's type, the world size, the device (for CUDA, read only once CUDA is
-    initialized: name, capability, SMs and memory, which tell MIG slices apart), the
-    software versions and the math settings that change kernels.
+    optimizer's type, the world size, the device (``None``: unknown; for CUDA, read only
+    once CUDA is initialized: name, capability, SMs and memory, which tell MIG slices
+    apart), the software versions and the math settings that change kernels.
 
     Raises:
         TypeError: an option's value is not plain data (str, number, bool, None, dtype,
@@ -199,7 +199,9 @@ def _signature(signature: Signature) -> str:
     return _canonical([[[int(n) for n in shape], str(dtype)] for shape, dtype in signature])
 
 
-def _autocast(device: torch.device) -> str | None:
+def _autocast(device: torch.device | None) -> str | None:
+    if device is None:  # no device known (a model without parameters): no autocast to read
+        return None
     try:
         enabled = torch.is_autocast_enabled(device.type)
     except RuntimeError:  # a device type autocast does not know: no autocast
@@ -207,10 +209,10 @@ def _autocast(device: torch.device) -> str | None:
     return str(torch.get_autocast_dtype(device.type)) if enabled else None
 
 
-def _device(device: torch.device) -> dict[str, object]:
-    found: dict[str, object] = {"type": device.type}
+def _device(device: torch.device | None) -> dict[str, object]:
+    found: dict[str, object] = {"type": None if device is None else device.type}
     # Never the first to initialize CUDA: a model on a CUDA device has done so already.
-    if device.type == "cuda" and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if device is not None and device.type == "cuda" and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         index = torch.cuda.current_device() if device.index is None else device.index
         properties = torch.cuda.get_device_properties(index)
         found.update(

@@ -176,6 +176,7 @@ _MODEL_CHANGES: dict[str, Callable[[], dict[str, object]]] = {
     "no optimizer": lambda: _key(optimizer=None),
     "the world size": lambda: _key(world_size=8),
     "the device type": lambda: _key(device=torch.device("meta")),
+    "no device known": lambda: _key(device=None),
 }
 
 _SETTING_CHANGES: dict[str, Callable[[], contextlib.AbstractContextManager[object]]] = {
