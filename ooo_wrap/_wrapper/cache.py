@@ -103,8 +103,8 @@ def tuning_key(
 ) -> dict[str, object]:
     """Everything that can change which arm wins, as JSON data (see :func:`key_digest`).
 
-    The model's structure (module names and classes; parameter and buffer shapes, dtypes
-    and ``requires_grad``, in order; not values), the plan's fingerprint, the options, the
+    The model's structure (module names and classes; parameter shapes, dtypes and
+    ``requires_grad``, in order; not values), the plan's fingerprint, the options, the
     set of input signatures raced, the autocast dtype in force for ``device`` here, the
     optimizer's type, the world size, the device (``None``: unknown; for CUDA, read only
     once CUDA is initialized: name, capability, SMs and memory, which tell MIG slices
@@ -159,10 +159,14 @@ def _structure(model: nn.Module) -> dict[str, object]:
         cls = getattr(type(module), "_ooo_original", type(module))
         return f"{cls.__module__}.{cls.__qualname__}"
 
-    tensors = [*model.named_parameters(), *model.named_buffers()]
+    # Parameters, not buffers: some models grow a buffer (a rotary table) as they meet
+    # longer inputs, and the key must not change between the tuner's load and its store.
     parts = {
         "modules": [[name, class_name(module)] for name, module in model.named_modules()],
-        "tensors": [[name, list(t.shape), str(t.dtype), t.requires_grad] for name, t in tensors],
+        "parameters": [
+            [name, list(p.shape), str(p.dtype), p.requires_grad]
+            for name, p in model.named_parameters()
+        ],
     }
     # The whole structure is hashed, so a large model's key stays small; the class and
     # counts stay readable in the file.
@@ -210,20 +214,22 @@ def _autocast(device: torch.device | None) -> str | None:
 
 
 def _device(device: torch.device | None) -> dict[str, object]:
-    found: dict[str, object] = {"type": None if device is None else device.type}
+    if device is None or device.type != "cuda":
+        return {"type": None if device is None else device.type}
     # Never the first to initialize CUDA: a model on a CUDA device has done so already.
-    if device is not None and device.type == "cuda" and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        index = torch.cuda.current_device() if device.index is None else device.index
-        properties = torch.cuda.get_device_properties(index)
-        found.update(
-            name=properties.name,
-            capability=f"{properties.major}.{properties.minor}",
-            # A MIG slice is a profile's share of SMs and memory: these tell them apart.
-            sms=properties.multi_processor_count,
-            memory=properties.total_memory,
-            mig="MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-        )
-    return found
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return {"type": "cuda"}
+    index = torch.cuda.current_device() if device.index is None else device.index
+    properties = torch.cuda.get_device_properties(index)
+    return {
+        "type": "cuda",
+        "name": properties.name,
+        "capability": f"{properties.major}.{properties.minor}",
+        # A MIG slice is a profile's share of SMs and memory: these tell them apart.
+        "sms": properties.multi_processor_count,
+        "memory": properties.total_memory,
+        "mig": "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+    }
 
 
 def _driver_version() -> str | None:

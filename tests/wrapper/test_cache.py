@@ -159,7 +159,9 @@ _MODEL_CHANGES: dict[str, Callable[[], dict[str, object]]] = {
     "a parameter's shape": lambda: _key(nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 2))),
     "a parameter's dtype": lambda: _key(_model().double()),
     "requires_grad": lambda: _key(_frozen_first_layer()),
-    "a buffer": lambda: _key(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))),
+    "a module without parameters": lambda: _key(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), nn.Identity())
+    ),
     "the module order": lambda: _key(nn.Sequential(nn.ReLU(), nn.Linear(4, 8), nn.Linear(8, 2))),
     "the plan fingerprint": lambda: _key(plan_fingerprint="abc124"),
     "an option's value": lambda: _key(
@@ -275,6 +277,11 @@ def test_what_cannot_change_the_winner_leaves_the_digest() -> None:
     plain = _key()
     other_values = _model()  # other random weights, same structure
     assert key_digest(_key(other_values)) == key_digest(plain)
+    grown = _model()  # a buffer that grows with the inputs met (a rotary table)
+    grown.register_buffer("table", torch.zeros(4))
+    before = key_digest(_key(grown))
+    grown.table = torch.zeros(16)
+    assert key_digest(_key(grown)) == before
     wrapped = ooo_wrap.OOOModule(_model(), backend=SimulatedBackend(), tune=False)
     assert key_digest(_key(wrapped)) == key_digest(plain)
     reordered = {"stages": None, "planner": "dataflow", "streams": 4}
