@@ -415,6 +415,22 @@ def test_an_unwritable_directory_is_one_warning_and_nothing_stored(tmp_path: Pat
     _one_warning(record, store.path(key), "cannot read")
 
 
+def test_a_read_only_directory_is_one_warning_and_nothing_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What creating a file in a read-only directory raises (as root, chmod does not).
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(kwargs.get("dir")))
+
+    store = TuningCache(tmp_path)
+    key = _key()
+    monkeypatch.setattr(cache.tempfile, "mkstemp", refuse)
+    with pytest.warns(UserWarning) as record:
+        store.store(key, _RECORD)
+    _one_warning(record, store.path(key), "cannot write")
+    assert list(store.path(key).parent.iterdir()) == []
+
+
 def test_a_failed_rename_leaves_no_temporary_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
