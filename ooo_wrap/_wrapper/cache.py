@@ -1,15 +1,11 @@
 """The tuning cache's store: where it lives, what keys a decision, one JSON file per key.
 
-Measured tuning spends steps of the user's training to find the fastest arm; users run the
-same model many times (restarts, sweeps, every rank of a job), so the decision is kept on
-disk, as Triton's autotuner and Inductor keep theirs. This module is only the store: the
-tuner decides what to record and when.
-
-One file per key, ``<directory>/tuning/<digest>.json``, rather than one file of entries: a
-store never reads, merges and rewrites other keys' entries, so processes tuning different
-models never lose each other's decisions (no lock needed), and a corrupt file costs one
-key. Each write goes to a temporary file in the same directory, then ``os.replace``: a
-reader sees the old file or the new one, never part of one, whatever other writers do.
+Users run one model many times (restarts, sweeps, every rank of a job), so a measured
+decision is kept on disk, as Triton's autotuner and Inductor keep theirs; the tuner decides
+what to record and when. One file per key (``<directory>/tuning/<digest>.json``), not one
+file of entries: no store rewrites other keys' entries, so writers need no lock and a
+corrupt file costs one key. Each write goes to a temporary file in the same directory, then
+``os.replace``: a reader sees the old file or the new one, never part of one.
 """
 
 from __future__ import annotations
@@ -50,11 +46,10 @@ _log = logging.getLogger("ooo_wrap")
 def cache_dir(setting: str | os.PathLike[str] | bool | None) -> Path | None:
     """The tuning cache's directory, or ``None`` when the cache is off.
 
-    ``setting`` is the per-model keyword: ``False`` or ``"off"`` turns the cache off, a path
-    puts it there, ``None`` (or ``True``) defers to the ``OOO_WRAP_CACHE`` environment
-    variable (``off`` turns it off, a path moves it) and then to the default,
-    ``$XDG_CACHE_HOME/ooo_wrap`` or ``~/.cache/ooo_wrap``. ``True`` is on even when the
-    variable says ``off``.
+    ``setting`` is the per-model keyword: ``False`` or ``"off"``: off; a path: there;
+    ``None``: the ``OOO_WRAP_CACHE`` variable (``off``: off; a path: there), else
+    ``$XDG_CACHE_HOME/ooo_wrap``, else ``~/.cache/ooo_wrap``; ``True``: as ``None``, but on
+    even when the variable says ``off``.
 
     Raises:
         OOOConfigError: ``setting`` is neither a path, a bool nor ``None``, or is empty.
