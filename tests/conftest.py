@@ -23,6 +23,12 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_tuning_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads or writes the user's tuning cache (tests of the cache set their own)."""
+    monkeypatch.setenv("OOO_WRAP_CACHE", "off")
+
+
 @pytest.fixture
 def plan_by_rule() -> Iterator[None]:
     """Keep every region the region rule finds (``BY_SIMULATION`` off): for tests of plan

@@ -42,6 +42,7 @@ from .learn import Learned, Learner, learning_events, pending_plan
 from .options import WrapOptions
 from .phases import ALL, PARTS, Part, Phase, transition
 from .racing import ArmHooks, Schedulers
+from .shared import Shared
 from .split import devices, plan_device, split_event
 from .tune import Tuner
 from .tuning import Tuning, kept_event, slower_why
@@ -145,7 +146,7 @@ class WrapState:
             )
         self._remove(*ALL)
         self._enter(Phase.STOPPED)
-        self._race(model, self.arms)
+        self._race(model, self.arms, recall=False)
 
     def graphed(self, model: nn.Module) -> None:
         """The forward replays a CUDA graph from now on (``make_graphed_callables``)."""
@@ -264,8 +265,9 @@ class WrapState:
             self.plan = arm.plan
             self._enter(Phase.SCHEDULED)
 
-    def _race(self, model: nn.Module, arms: tuple[Arm, ...]) -> None:
-        """-> ``TUNING``: the tuner's hooks, racing ``arms`` (plain first)."""
+    def _race(self, model: nn.Module, arms: tuple[Arm, ...], recall: bool = True) -> None:
+        """-> ``TUNING``: the tuner's hooks, racing ``arms`` (plain first); ``recall``: a
+        cached decision may stand (not after ``retune()``)."""
         device, options = plan_device(model, self.plan), self.options
         clock = clock_of(self.backend, device)
         assert clock is not None  # _tunes() said so
@@ -274,8 +276,9 @@ class WrapState:
             racing = ArmHooks(model, self._schedulers, [layer for _, layer in layers])
             racing.handles = self._hooks["arm"]
             self.racing = racing
+            shared = Shared(model, options, arms, device, recall=recall)
             parts = (self.backend, self.log, device, clock, options.tune_steps, self.accumulators)
-            self.tuner = tuner = Tuner(arms, racing.switch, *parts, model)
+            self.tuner = tuner = Tuner(arms, racing.switch, *parts, shared, model)
             hooks = self._hooks["tuner"]
             # Before the user's pre-hooks, as a scheduler's root pre-hook is.
             pre = model.register_forward_pre_hook(tuner.pre_hook, with_kwargs=True, prepend=True)
@@ -300,7 +303,8 @@ class WrapState:
             self._stop(Reason.MEASURED_SLOWER, slower_why(record))
             return
         self._schedule(module, winner)
-        self.log.add(kept_event(record), level=logging.INFO)
+        cached = OOOEvent(EventKind.TUNED, "cached", record.why) if tuner.recalled else None
+        self.log.add(cached or kept_event(record), level=logging.INFO)
 
     def _stop(self, reason: str, why: str) -> None:
         """-> ``STOPPED``: no hook at all from now on; the model runs as if unwrapped."""

@@ -9,6 +9,7 @@ wrapped), ``serialize.py`` (plain copies), ``classswap.py`` (the swapped class).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any, NoReturn, SupportsIndex
 
@@ -80,6 +81,8 @@ class OOOModule(nn.Module):
             time steps, ``True`` requires it. ``model.tuning`` shows the race.
         tune_steps, tune_arms, tune_arm: counted steps per arm per round; the most
             arms raced besides plain (3); one arm to run by name, racing nothing.
+        tune_cache: where decisions are remembered (``False``: nowhere; ``None``:
+            ``OOO_WRAP_CACHE`` or ``~/.cache/ooo_wrap``); docs/tuning-and-performance.md.
         gpu: the reference GPU the ``dataflow`` planner estimates on: an
             ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (the GPU kit writes one
             measured on its device); ``None`` for the H200 datasheet figures.
@@ -130,13 +133,14 @@ class OOOModule(nn.Module):
         split_weight_grads_exclude: Sequence[str] = (),
         tune_arms: int = 3,
         tune_arm: str | None = None,
+        tune_cache: str | os.PathLike[str] | bool | None = None,
     ) -> Any:
         if cls is not OOOModule:  # OOO<Cls> has its own __new__ (classswap.py)
             return super().__new__(cls)
         options = WrapOptions(
             streams, stages, backend, profile_ranges, planner, overlap_forward, tune,
             tune_steps, as_reference_gpu(gpu), split_weight_grads, split_weight_grads_exclude,
-            tune_arms, tune_arm,
+            tune_arms, tune_arm, tune_cache,
         )  # fmt: skip
         return _wrap(model, options)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -13,6 +14,7 @@ from .._errors import OOOConfigError, did_you_mean
 from .._plan import as_stage_names, check_streams
 from .._planner.cost import ReferenceGPU, as_reference_gpu
 from .._runtime.backend import Backend
+from .cache import cache_dir
 
 __all__ = [
     "PLANNERS",
@@ -67,6 +69,9 @@ class WrapOptions:
         tune_arm: the name of one arm to run with nothing raced (``"regions"``,
             ``"wgrad"``, ...: ``model.tuning`` lists them), to reproduce a run; ``None``
             to race.
+        tune_cache: where tuning decisions are remembered: ``None`` for the
+            ``OOO_WRAP_CACHE`` environment variable or the user's cache directory,
+            ``False`` (or ``"off"``) for nowhere, or a directory.
     """
 
     streams: int = 4
@@ -82,6 +87,7 @@ class WrapOptions:
     split_weight_grads_exclude: Sequence[str] = ()
     tune_arms: int = 3
     tune_arm: str | None = None
+    tune_cache: str | os.PathLike[str] | bool | None = None
 
     def __post_init__(self) -> None:
         check_split_weight_grads(self.split_weight_grads, "split_weight_grads")
@@ -121,6 +127,7 @@ class WrapOptions:
                 f"tune_arm must be an arm's name or None, got {self.tune_arm!r}; "
                 "model.tuning lists the arms a tuning raced (e.g. 'regions', 'wgrad')"
             )
+        cache_dir(self.tune_cache)  # a setting that names no directory is refused now
         steps = self.tune_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
             raise OOOConfigError(

@@ -59,6 +59,12 @@ class StepBounds:
     def close(self) -> None:
         _bounds.discard(self)
 
+    @property
+    def optimizer(self) -> str | None:
+        """The type of the model's optimizer, once one stepped."""
+        own = self._own_optimizer() if self._own_optimizer is not None else None
+        return None if own is None else type(own).__qualname__
+
     def marked(self) -> None:
         """A step starts now."""
         self._optimizer_steps_at_mark = _optimizer_steps

@@ -57,8 +57,9 @@ from .._runtime.bypass import eager_bypass_reason
 from .._runtime.inflight import thread_state
 from .._tensors import tensors_in
 from .arms import Arm
+from .shared import Shared
 from .steps import StepBounds, Turns
-from .tuning import MAX_ROUNDS, ArmTiming, Stage, Tuning, compare
+from .tuning import MAX_ROUNDS, ArmTiming, Stage, Tuning, compare, fastest
 
 if TYPE_CHECKING:
     from .._runtime.roots import RootHooks
@@ -111,6 +112,7 @@ class Tuner:
     clock: StepClock
     steps: int
     accumulators: Accumulators
+    shared: Shared  # the cache, and the other ranks
     model: InitVar[nn.Module]
 
     def __post_init__(self, model: nn.Module) -> None:
@@ -127,16 +129,15 @@ class Tuner:
         self._warmed: set[tuple[str, Shape]] = set()
         self._synced: set[Stage] = set()
         self._capture_reported = False
-        self.decision = "pending"
+        self.decision = "pending"  # what every rank keeps, once agreed
+        self._verdict = "pending"  # what this rank found
         self.why = ""
+        self.recalled = False  # decided from the cache (shared.py)
         self.active: Arm = self.arms[0]
         self.scheduler: RootHooks | None = None
         self._bounds = StepBounds(model)  # 1.
 
-    @property
-    def in_forward(self) -> bool:
-        """Whether a forward of the model is running (its post-hook is still to run)."""
-        return bool(self._frames)
+    in_forward = property(lambda self: bool(self._frames))  # a forward of the model runs
 
     def close(self) -> None:
         """Its hooks are gone: give the turn away."""
@@ -231,6 +232,8 @@ class Tuner:
             if (arm.name, shape) not in self._warmed:
                 self._warmed.add((arm.name, shape))
                 arm = None  # 2. its warm-up
+        if self._opened == 2 and step is not None:
+            self._recall(step.shape)  # the first step told which optimizer updates the model
         self._open = _Step(arm, shape, self._stage, [mark])
         self._frames.append(_Frame(module, self._open, self.scheduler))
         return self.scheduler
@@ -264,7 +267,15 @@ class Tuner:
             if error is None or not is_checkpoint_early_stop(error):
                 frame.step.arm = None
             return False
-        return self._decide()
+        if self._verdict == "pending":
+            self._decide()
+        agreed = self.shared.agree(self._opened, self._verdict, self.steps)
+        if agreed not in ("pending", self._verdict):
+            self.why = "rank 0's decision, taken by every rank"
+        self.decision = agreed
+        if agreed != "pending" and not self.recalled:
+            self.shared.store(self.record())
+        return agreed != "pending"
 
     def _activate(self, arm: Arm) -> None:
         if arm is not self.active:
@@ -273,7 +284,7 @@ class Tuner:
 
     # --- measuring and deciding -------------------------------------------------------
 
-    def _decide(self) -> bool:
+    def _decide(self) -> None:
         """4. Read what the device has passed; move on from racing or confirming."""
         stage = self._stage
         counted = [s for s in self._closed if s.stage == stage]
@@ -297,25 +308,24 @@ class Tuner:
         }
         if stage == "confirming":
             (verdict,) = verdicts.values()
-            if verdict == "pending":
-                return False
             winner = self._racing[1]
             if verdict == "faster":
-                return self._decided(winner, "faster than plain in the race and confirmed alone")
-            return self._decided(self.arms[0], f"{winner.name} was not faster when confirmed alone")
+                self._decided(winner, "faster than plain in the race and confirmed alone")
+            elif verdict == "not_faster":
+                self._decided(self.arms[0], f"{winner.name} was not faster when confirmed alone")
+            return
         # Racing: arms measured slower than plain leave; the rest race on while unclear.
         if not final:
             self._racing = [arm for arm in self._racing if verdicts.get(arm.name) != "not_faster"]
             if len(self._racing) == 1:
                 return self._decided(self.arms[0], "no arm was faster than plain")
             if any(v == "pending" for name, v in verdicts.items() if self._in_race(name)):
-                return False
+                return
         faster = [arm for arm in self._racing[1:] if verdicts[arm.name] == "faster"]
         if not faster:
             why = "no arm was faster than plain" if counted else "nothing could be timed"
             return self._decided(self.arms[0], why)
-        self._confirm(_best(faster, timings))
-        return False
+        self._confirm(fastest(faster, timings))
 
     def _in_race(self, name: str) -> bool:
         return any(arm.name == name for arm in self._racing)
@@ -329,9 +339,17 @@ class Tuner:
         if self._open is not None:
             self._open.arm = None  # opened in the race
 
-    def _decided(self, arm: Arm, why: str) -> bool:
-        self.decision, self.why, self._stage = arm.name, why, "decided"
-        return True
+    def _decided(self, arm: Arm, why: str) -> None:
+        self._verdict, self.why, self._stage = arm.name, why, "decided"
+
+    def _recall(self, shape: Shape) -> None:
+        """A decision the cache holds for this model (``shared.py``), if any."""
+        hit = self.shared.recall(shape, self._bounds.optimizer)
+        if hit is not None:
+            self.recalled = True
+            arm = next(arm for arm in self.arms if arm.name == hit[0])
+            self._decided(arm, hit[1])
+            self._activate(arm)
 
     def _elapsed(self, marks: list[Mark]) -> float:
         """The step's time: start to end, less each evaluation forward cut out."""
@@ -339,19 +357,14 @@ class Tuner:
         return sum(self.clock.elapsed_ms(start, end) for start, end in pairs)
 
     def _report_capture(self) -> None:
-        if self._capture_reported:
-            return
-        self._capture_reported = True
-        self.log.add(
-            OOOEvent(
-                EventKind.TUNED,
-                "not_finished",
-                "a graph capture began before tuning decided, so the graph holds the "
+        if not self._capture_reported:  # the log keeps one event of a kind and reason
+            self._capture_reported = True
+            why = (
+                f"a graph capture began before tuning decided, so the graph holds the "
                 f"{self.active.name} arm; run eager training steps until model.tuning is "
-                "decided before capturing (or wrap with tune=False)",
-            ),
-            level=logging.INFO,
-        )
+                "decided before capturing (or wrap with tune=False)"
+            )
+            self.log.add(OOOEvent(EventKind.TUNED, "not_finished", why), level=logging.INFO)
 
 
 def _lost_turn(holder: object) -> None:
@@ -384,16 +397,3 @@ def _timing(arm: Arm, steps: Sequence[_Step]) -> ArmTiming:
         arm.estimate_us,
         arm.estimate_gpu,
     )
-
-
-def _best(faster: Sequence[Arm], timings: dict[str, ArmTiming]) -> Arm:
-    """The fastest arm; among those within the noise of it, the simplest."""
-
-    def median(arm: Arm) -> float:
-        value = timings[arm.name].median_relative
-        return value if value is not None else float("inf")
-
-    fastest = min(median(arm) for arm in faster)
-    spread = max((timings[arm.name].spread or 0.0) for arm in faster)
-    close = [arm for arm in faster if median(arm) <= fastest * (1 + max(spread, 0.02))]
-    return min(close, key=Arm.simplicity)

@@ -15,11 +15,12 @@ times the steps, then plain wins. Anything unmeasured keeps plain.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from .._events import EventKind, OOOEvent
+from .arms import Arm
 
 __all__ = [
     "MAX_ROUNDS",
@@ -28,6 +29,7 @@ __all__ = [
     "Tuning",
     "Verdict",
     "compare",
+    "fastest",
     "kept_event",
     "slower_why",
 ]
@@ -213,3 +215,16 @@ def kept_event(record: Tuning) -> OOOEvent:
     return OOOEvent(
         EventKind.TUNED, "kept", f"{_figures(record)}: {record.decision} is kept ({record.why})"
     )
+
+
+def fastest(faster: Sequence[Arm], timings: Mapping[str, ArmTiming]) -> Arm:
+    """The fastest arm; among those within the noise of it, the simplest."""
+
+    def median(arm: Arm) -> float:
+        value = timings[arm.name].median_relative
+        return value if value is not None else float("inf")
+
+    best = min(median(arm) for arm in faster)
+    spread = max((timings[arm.name].spread or 0.0) for arm in faster)
+    close = [arm for arm in faster if median(arm) <= best * (1 + max(spread, MIN_GAIN))]
+    return min(close, key=Arm.simplicity)

@@ -1,0 +1,148 @@
+"""Decisions remembered across runs (the tuning cache) and agreed across ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ooo_wrap
+from ooo_wrap import EventKind
+from tests.support.distributed import REPO_ROOT, run_ranks
+from tests.wrapper.test_arms import ArmClock, ThreeTowers, state, wrap_timed
+
+TIMES = {"plain": 10.0, "wgrad": 8.5}
+
+
+def train(model: torch.nn.Module, steps: int, batch: int = 4) -> int:
+    """SGD steps until decided (at most ``steps``); how many tuning steps it took."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1, steps + 1):
+        model(torch.randn(batch, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        tuning = model.tuning  # type: ignore[attr-defined]
+        if tuning is not None and tuning.decision != "pending":
+            return step
+    return steps
+
+
+def fresh(cache: Path | str | bool | None, **options: Any) -> ooo_wrap.OOOModule:
+    torch.manual_seed(0)
+    return wrap_timed(ThreeTowers(), ArmClock(TIMES), tune_cache=cache, **options)
+
+
+def test_a_second_run_starts_decided_from_the_cache(tmp_path: Path) -> None:
+    first = fresh(tmp_path)
+    assert train(first, 400) > 20
+    assert first.tuning is not None and first.tuning.decision == "wgrad"
+    (stored,) = (tmp_path / "tuning").glob("*.json")
+    assert json.loads(stored.read_text())["record"]["arm"] == "wgrad"
+    second = fresh(tmp_path)
+    # The learning forward, then one step that tells the model's optimizer: decided.
+    assert train(second, 400) == 3
+    tuning = second.tuning
+    assert tuning is not None and tuning.decision == "wgrad"
+    assert all(arm.step_ms == () for arm in tuning.arms)  # nothing measured
+    (cached,) = [e for e in second.events if (e.kind, e.reason) == (EventKind.TUNED, "cached")]
+    assert "from the cache: measured on" in cached.message and str(stored) in cached.message
+    assert state(second).scheduler is not None and state(second).scheduler.weight_grads
+
+
+@pytest.mark.parametrize("change", ["batch", "options", "off", "retune"], ids=lambda change: change)
+def test_what_misses_the_cache(tmp_path: Path, change: str) -> None:
+    train(fresh(tmp_path), 400)
+    if change == "batch":
+        model, batch = fresh(tmp_path), 5
+    elif change == "options":
+        model, batch = fresh(tmp_path, streams=3), 4
+    elif change == "off":
+        model, batch = fresh(False), 4
+    else:
+        model, batch = fresh(tmp_path), 4
+        assert train(model, 400) == 3
+        model.retune()
+    assert train(model, 400, batch) > 20
+    assert model.tuning is not None and all(arm.step_ms for arm in model.tuning.arms)
+
+
+def test_the_environment_turns_the_cache_off_or_moves_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OOO_WRAP_CACHE", str(tmp_path / "moved"))
+    train(fresh(None), 400)
+    assert list((tmp_path / "moved" / "tuning").glob("*.json"))
+    monkeypatch.setenv("OOO_WRAP_CACHE", "off")
+    assert train(fresh(None), 400) > 20
+
+
+def test_a_corrupt_cache_file_warns_once_and_tuning_runs_again(tmp_path: Path) -> None:
+    train(fresh(tmp_path), 400)
+    (stored,) = (tmp_path / "tuning").glob("*.json")
+    stored.write_text("{not json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = fresh(tmp_path)
+        assert train(model, 400) > 20
+    messages = [str(w.message) for w in caught if "tuning cache" in str(w.message)]
+    assert len(messages) == 1 and str(stored) in messages[0]
+    assert json.loads(stored.read_text())["record"]["arm"] == "wgrad"  # written again
+
+
+def test_tune_false_writes_nothing(tmp_path: Path) -> None:
+    model = fresh(tmp_path, tune=False)
+    train(model, 10)
+    assert not (tmp_path / "tuning").exists()
+
+
+_SCRIPT = """
+import sys, torch, ooo_wrap
+sys.path.insert(0, {root!r})
+from tests.wrapper.test_arms import ArmClock, ThreeTowers, wrap_timed
+from tests.wrapper.test_remembered import TIMES, train
+torch.manual_seed(0)
+model = wrap_timed(ThreeTowers(), ArmClock(TIMES), tune_cache={cache!r})
+print(train(model, 400), model.tuning.decision)
+"""
+
+
+def test_a_second_process_is_decided_with_no_tuning_step(tmp_path: Path) -> None:
+    script = _SCRIPT.format(root=str(REPO_ROOT), cache=str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+        ).stdout.split()
+        for _ in range(2)
+    ]
+    assert runs[0][1] == runs[1][1] == "wgrad"
+    assert int(runs[0][0]) > 20 and runs[1][0] == "3"
+
+
+def _ranks_agree(rank: int, world_size: int, cache: str) -> dict[str, Any]:
+    """Each rank's clock favours another arm; only rank 0 may have a cache."""
+    times = {"plain": 10.0, "wgrad": 8.0} if rank == 0 else {"plain": 10.0, "static": 8.0}
+    torch.manual_seed(0)
+    setting = cache if rank == 0 and cache else False
+    model = wrap_timed(ThreeTowers(), ArmClock(times, noise=0.01, seed=rank), tune_cache=setting)
+    steps = train(model, 400)
+    assert model.tuning is not None
+    return {"decision": model.tuning.decision, "steps": steps}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cached", [False, True], ids=["measured", "cache_on_rank_0"])
+def test_ddp_ranks_keep_rank_0s_arm(tmp_path: Path, cached: bool) -> None:
+    cache = str(tmp_path) if cached else ""
+    if cached:
+        run_ranks(_ranks_agree, cache, timeout=300.0)  # fills rank 0's cache
+    results = run_ranks(_ranks_agree, cache, timeout=300.0)
+    assert [r["decision"] for r in results] == ["wgrad", "wgrad"]
+    assert results[0]["steps"] == results[1]["steps"]
