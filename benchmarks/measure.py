@@ -552,11 +552,12 @@ def _tuning_fields(tuning: ooo_wrap.Tuning | None) -> dict[str, Any] | None:
     return {
         "decision": tuning.decision,
         "device": tuning.device,
-        "plan_median_ms": tuning.plan_median_ms,
-        "plain_median_ms": tuning.plain_median_ms,
         "speedup": tuning.speedup,
-        "plan_ms": list(tuning.plan_ms),
-        "plain_ms": list(tuning.plain_ms),
+        "why": tuning.why,
+        "arms": {
+            arm.name: {"median_ms": arm.median_ms, "step_ms": list(arm.step_ms)}
+            for arm in tuning.arms
+        },
     }
 
 

@@ -162,9 +162,13 @@ def _tuning_note(tuning: dict[str, Any] | None, steps: int | None) -> str:
         return "did not tune (the backend cannot time steps)"
     if tuning["speedup"] is None:
         return f"tuning {tuning['decision']} after {steps} steps (too few timed)"
+    medians = ", ".join(
+        f"{name} {arm['median_ms']:.3f} ms"
+        for name, arm in tuning["arms"].items()
+        if arm["median_ms"] is not None
+    )
     return (
-        f"tuning: {tuning['decision']} after {steps} steps alone, its medians "
-        f"{tuning['plan_median_ms']:.3f} ms planned vs {tuning['plain_median_ms']:.3f} ms plain "
+        f"tuning: {tuning['decision']} kept after {steps} steps alone, median steps {medians} "
         f"({tuning['speedup']:.3f}x, measured by the wrapper)"
     )
 

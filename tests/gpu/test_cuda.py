@@ -712,8 +712,8 @@ def test_tuning_decides_on_the_towers_model_with_at_most_one_sync(
         if model.tuning.decision != "pending":
             break
     tuning = model.tuning
-    assert tuning is not None and tuning.decision in ("plan", "plain"), tuning
-    assert len(syncs) <= 1
+    assert tuning is not None and tuning.decision in {arm.name for arm in tuning.arms}, tuning
+    assert len(syncs) <= 2  # at most one per round: the race and the confirmation
     assert tuning.device == torch.cuda.get_device_name(DEVICE)
     kinds = {(e.kind, e.reason) for e in model.events}
     assert (ooo_wrap.EventKind.TUNED, "kept") in kinds or (

@@ -647,13 +647,14 @@ def test_measure_point_records_the_wrappers_tuning_beside_its_own_times() -> Non
         modes=args.modes,
     )
     tuning = record["wrapped_tuned"]["tuning"]
-    assert tuning["decision"] == "plan" and tuning["device"] == "simulated"
-    assert tuning["plan_median_ms"] == 8.0 and tuning["plain_median_ms"] == 10.0
+    assert tuning["decision"] != "plain" and tuning["device"] == "simulated"
+    assert tuning["arms"]["plain"]["median_ms"] == 10.0
+    assert tuning["arms"][tuning["decision"]]["median_ms"] == 8.0
     assert tuning["speedup"] == pytest.approx(1.25)
     assert "tuning" not in record["wrapped"]  # the plan itself, never tuned
-    # Tuned alone first (2 warm-ups, 6 counted steps per arm, and the forward whose mark
-    # ends the last of them), then timed interleaved.
-    assert record["wrapped_tuned"]["tuning_steps"] == 15
+    # Tuned alone first (the race of four arms: a warm-up and 6 counted steps each; then
+    # the confirmation round: 6 steps each of the winner and plain), then timed interleaved.
+    assert record["wrapped_tuned"]["tuning_steps"] == 42
     assert record["wrapped_tuned"]["median_ms"] > 0
 
 

@@ -196,13 +196,14 @@ def _suite(args: list[str]) -> int:
                 side["stats_per_step"] = {"waits": 8, "record_streams": 16}
             if mode == "wrapped_tuned":
                 side["tuning"] = {
-                    "decision": "plan",
+                    "decision": "static",
                     "device": "stand-in",
-                    "plan_median_ms": 1.6,
-                    "plain_median_ms": 2.0,
                     "speedup": 1.25,
-                    "plan_ms": [1.6] * 6,
-                    "plain_ms": [2.0] * 6,
+                    "why": "faster than plain in the race and confirmed alone",
+                    "arms": {
+                        "plain": {"median_ms": 2.0, "step_ms": [2.0] * 6},
+                        "static": {"median_ms": 1.6, "step_ms": [1.6] * 6},
+                    },
                 }
                 side["tuning_steps"] = 15
         record["speedup"] = record["speedups"]["wrapped"]
