@@ -15,10 +15,10 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from .backend import Backend, Stream
+from .backend import Backend, Event, Stream
 from .wgrad_layers import SplitRule
 
-__all__ = ["SplitState", "run_split"]
+__all__ = ["LayerCall", "SplitState", "run_split"]
 
 
 class SplitState(Protocol):
@@ -28,21 +28,21 @@ class SplitState(Protocol):
 
     def step_aside(self, reason: str) -> None: ...
 
-    def bound_lag(self, device: torch.device, ambient: Stream) -> None: ...
-
-    def dw_launched(self, device: torch.device, stream: Stream) -> None: ...
+    def dw_launched(self, device: torch.device, stream: Stream, held: int) -> list[Event]: ...
 
 
-def run_split(
-    split: SplitState,
-    rule: SplitRule,
-    layer: nn.Module,
-    stream: Stream,
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-) -> Tensor:
-    """One split layer call (steps 1 and 2) on the current stream ``A``; ``stream`` is ``W``."""
+class LayerCall(NamedTuple):
+    """What one split layer call runs with, besides its tensors."""
+
+    split: SplitState  # the model's split
+    rule: SplitRule  # the layer's forward, dI and dW formulas
+    layer: nn.Module
+    stream: Stream  # the weight-gradient stream ``W`` of the layer's device
+
+
+def run_split(call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """One split layer call (steps 1 and 2) on the current stream ``A``."""
+    split, stream = call.split, call.stream
     backend, device = split.backend, weight.device
     ambient = backend.current_stream(device)
     dtype = (
@@ -63,7 +63,7 @@ def run_split(
     if dtype is not None:
         x = _autocast(x, dtype)
     # 2. The split node, made on A.
-    out: Tensor = _apply(_Split, split, rule, layer, stream, x, handed_w, handed_b)
+    out: Tensor = _apply(_Split, call, x, handed_w, handed_b)
     return out
 
 
@@ -85,6 +85,12 @@ def _protect(backend: Backend, tensors: Iterable[Tensor], stream: Stream) -> Non
 def _order_after(backend: Backend, stream: Stream, ambient: Stream) -> None:
     """3. ``W`` waits on an event recorded on ``A`` now (the output gradient is ready)."""
     backend.wait_event(stream, backend.record_event(ambient))
+
+
+def _catch_up(backend: Backend, ambient: Stream, events: Iterable[Event]) -> None:
+    """6. ``A`` waits on the pending dW beyond the byte budget."""
+    for event in events:
+        backend.wait_event(ambient, event)
 
 
 def _apply(function: type[torch.autograd.Function], *args: Any) -> Any:
@@ -118,22 +124,15 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        split: SplitState,
-        rule: SplitRule,
-        layer: nn.Module,
-        stream: Stream,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
+        ctx: Any, call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None
     ) -> Tensor:
-        ctx.split, ctx.rule, ctx.stream = split, rule, stream
-        ctx.layer = weakref.ref(layer)
+        ctx.split, ctx.rule, ctx.stream = call.split, call.rule, call.stream
+        ctx.layer = weakref.ref(call.layer)
         # What the engine checks dW and db against: the tensors handed in (cast, under
         # autocast, as the cast's own node then converts on W).
         ctx.bias_like = None if bias is None else _Like.of(bias)
         ctx.save_for_backward(x, weight)
-        return rule.forward(layer, x, weight, bias)
+        return call.rule.forward(call.layer, x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
@@ -141,8 +140,7 @@ class _Split(torch.autograd.Function):
         rule: SplitRule = ctx.rule
         layer = ctx.layer()
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[4:7]
-        none = (None, None, None, None)
+        need_x, need_w, need_b = ctx.needs_input_grad[1:4]
         if layer is None:
             raise RuntimeError("ooo_wrap: a split layer was freed before its backward ran")
         if torch.is_grad_enabled():
@@ -150,7 +148,7 @@ class _Split(torch.autograd.Function):
             split.step_aside("create_graph")
             inline_dx = rule.input_grad(layer, grad, x, weight) if need_x else None
             inline_dw, inline_db = rule.weight_grads(layer, grad, x, weight, need_b)
-            return (*none, inline_dx, inline_dw if need_w else None, inline_db)
+            return (None, inline_dx, inline_dw if need_w else None, inline_db)
         backend, stream = split.backend, ctx.stream
         ambient = backend.current_stream(weight.device)
         if need_w or need_b:
@@ -158,8 +156,6 @@ class _Split(torch.autograd.Function):
             # then order W after everything queued on A so far (grad is ready there).
             _protect(backend, (grad, x, weight), stream)
             _order_after(backend, stream, ambient)
-        if need_w or need_b:
-            split.bound_lag(weight.device, ambient)
         # 4. dI on A, on the critical path; then dW (and db) on W.
         dx = rule.input_grad(layer, grad, x, weight) if need_x else None
         dw: Tensor | None = None
@@ -170,11 +166,37 @@ class _Split(torch.autograd.Function):
                 w_grad, b_grad = rule.weight_grads(layer, grad, x, weight, need_b)
                 dw = _like(w_grad, _Like.of(weight)) if need_w else None
                 db = _like(b_grad, ctx.bias_like) if need_b and b_grad is not None else None
-                split.dw_launched(weight.device, stream)
+                held = _held_bytes((grad, x, weight), _params_of(layer))
+                late = split.dw_launched(weight.device, stream, held)
             finally:
                 backend.set_stream(ambient)
+            # 6. A waits on the pending dW beyond the budget (with it, dI and dW overlap).
+            _catch_up(backend, ambient, late)
         # 5. The engine hands dW to the pass-through node, on W.
-        return (*none, dx, dw, db)
+        return (None, dx, dw, db)
+
+
+def _params_of(layer: nn.Module) -> tuple[Tensor, ...]:
+    """The layer's own tensors (never freed by a backward, so never held by a dW)."""
+    return tuple(
+        t
+        for t in (getattr(layer, "weight", None), getattr(layer, "bias", None))
+        if isinstance(t, Tensor)
+    )
+
+
+def _held_bytes(tensors: Iterable[Tensor], params: Iterable[Tensor]) -> int:
+    """6. The bytes a pending dW keeps alive beyond its layer's backward: the storages of
+    ``tensors``, each once, less the parameters' (``nbytes`` of the whole storage, an upper
+    bound where a tensor is a view others keep alive too)."""
+    seen = {p.untyped_storage().data_ptr() for p in params}
+    held = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            held += storage.nbytes()
+    return held
 
 
 class _Like(NamedTuple):

@@ -11,6 +11,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 import ooo_wrap
+import ooo_wrap._runtime.wgrad as wgrad_split
 import ooo_wrap._runtime.wgrad_function as wgrad
 from ooo_wrap.testing import CheckReport, DetectingBackend, check, detect
 from ooo_wrap.testing._engine import EngineModel
@@ -23,9 +24,21 @@ def backward_ops_off_the_caller(report: CheckReport) -> set[str]:
     return {op.stream for op in report.trace if op.phase == "backward" and op.stream_index != 0}
 
 
+def lagging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the weight-gradient stream lag by any number of layers: the virtual device
+    tells no live bytes (a budget of 0, each dW caught up with at once), so say it holds
+    a great many; the layers' stream then waits on no dW in backward."""
+    monkeypatch.setattr(wgrad_split, "live_bytes_of", lambda backend, device: 2**62)
+
+
+@pytest.mark.parametrize("lag", [False, True], ids=["caught-up", "lagging"])
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_the_split_checks_clean(name: str, capture: bool) -> None:
+def test_the_split_checks_clean(
+    name: str, capture: bool, lag: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if lag:
+        lagging(monkeypatch)
     make, data = MODELS[name]
     torch.manual_seed(0)
     report = check(make(), data(), split_weight_grads=True, steps=3, capture=capture)
@@ -62,14 +75,18 @@ def test_accumulators_held_from_before_the_first_forward() -> None:
     assert {(m.producer.id, m.accumulator.id) for m in found.accumulator_mismatches} == {(1, 0)}
 
 
-def checked_mlp() -> CheckReport:
+def checked_mlp(monkeypatch: pytest.MonkeyPatch | None = None) -> CheckReport:
+    """The MLP checked; with ``monkeypatch``, its weight-gradient stream lagging (where
+    the layers' stream catches up with each dW at once, that wait orders much else)."""
+    if monkeypatch is not None:
+        lagging(monkeypatch)
     torch.manual_seed(0)
     return check(MLP(), mlp_input(), split_weight_grads=True, steps=2)
 
 
 def test_without_the_event_wait_the_weight_gradient_races(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wgrad, "_order_after", lambda backend, stream, ambient: None)
-    report = checked_mlp()
+    report = checked_mlp(monkeypatch)
     assert report.races
     assert all(race.later.stream != "default" for race in report.races[:1])
 
@@ -78,7 +95,7 @@ def test_with_the_pass_through_on_the_callers_stream_the_accumulation_races(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(wgrad, "_handoff_stream", lambda stream, ambient: ambient)
-    report = checked_mlp()
+    report = checked_mlp(monkeypatch)
     assert report.races
 
 
@@ -86,7 +103,7 @@ def test_without_record_stream_the_allocator_may_reuse_what_dw_reads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(wgrad, "_protect", lambda backend, tensors, stream: None)
-    report = checked_mlp()
+    report = checked_mlp(monkeypatch)
     assert report.allocator_hazards and not report.races
 
 
@@ -103,8 +120,40 @@ def test_without_the_end_of_backward_join_the_step_reads_unfinished_grads(
         original(self, frame)  # type: ignore[arg-type]
 
     monkeypatch.setattr(EngineModel, "_end", end_without_leaf_waits)
-    report = checked_mlp()
+    report = checked_mlp(monkeypatch)
     assert any(race.later.phase == "step" for race in report.races)
+
+
+def unfinished_dw_behind_the_layers(report: CheckReport) -> list[int]:
+    """The backward ops of the layers' stream (the caller's) issued while an earlier op of
+    the weight-gradient stream was not yet ordered before them, by the checker's clocks."""
+    late = []
+    launched = 0  # the weight-gradient stream's ops so far, in program order
+    for op in report.trace:
+        clock = dict(op.clock)
+        if op.stream_index == 1:
+            launched = clock[1]
+        elif op.stream_index == 0 and op.phase == "backward" and clock.get(1, 0) < launched:
+            late.append(op.seq)
+    return late
+
+
+def test_the_layer_stream_waits_on_each_dw_within_the_budget() -> None:
+    # Memory: the virtual device tells no live bytes, so the budget is 0 and the layers'
+    # stream catches up with each dW once it is launched: by the checker's vector clocks,
+    # every later op of the layers' stream is ordered after every dW issued before it.
+    report = checked_mlp()
+    assert report.ok and backward_ops_off_the_caller(report)
+    assert unfinished_dw_behind_the_layers(report) == []
+
+
+def test_without_the_catch_up_wait_the_weight_gradient_stream_lags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wgrad, "_catch_up", lambda backend, ambient, events: None)
+    report = checked_mlp()
+    assert report.ok  # no race: the lag costs memory, not correctness (record_stream)
+    assert unfinished_dw_behind_the_layers(report)
 
 
 def test_the_split_off_checks_what_it_did_before() -> None:

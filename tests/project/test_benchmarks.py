@@ -1025,3 +1025,19 @@ def test_overhead_times_forwards_while_tuning_is_pending() -> None:
     result = overhead.measure_tuning(repeats=2, warmup=1)
     assert result["plain_us_per_forward"] > 0
     assert result["untuned_us_per_forward"] > 0 and result["tuning_us_per_forward"] > 0
+
+
+# --- benchmarks/wgrad.py: the weight-gradient split's memory --------------------------------
+
+
+def test_the_split_peak_memory_stays_within_its_budget_at_the_slowest() -> None:
+    # A small transformer block, replayed with the weight-gradient stream at its slowest
+    # (it runs nothing until a stream waits on it): the lag's byte budget keeps the peak
+    # within 1 + HELD_FRACTION of plain; without the budget the same replay exceeds it.
+    from benchmarks import wgrad
+
+    result = wgrad.peak_memory(width=32, batch=2, tokens=16, heads=4)
+    bound = 1 + wgrad.HELD_FRACTION
+    assert bound == pytest.approx(1.10)
+    assert 1.0 <= result["ratio_cpu"] <= result["ratio_worst_gpu"] <= bound, result
+    assert result["ratio_unbounded_gpu"] > bound, result
