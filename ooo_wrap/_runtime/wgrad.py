@@ -13,8 +13,12 @@ weight-gradient stream):
 1. Forward: the weight (and bias) enter through a pass-through node (:class:`_Handoff`)
    made while ``W`` is current, so its backward runs on ``W``; as it is normally the
    parameter's first use in the graph, the parameter's ``AccumulateGrad`` is made on
-   ``W`` too. Under autocast their casts are made there as well (the cast's backward then
-   runs on ``W``). No kernel runs on ``W`` in forward: the pass-through is a view.
+   ``W`` too. The pass-through is a view: no kernel. Under autocast the casts to the
+   lower precision are made there as well, so the cast's backward (dW back to the
+   parameter's dtype) runs on ``W``; those casts are kernels on ``W`` in forward, so
+   ``W`` first waits on an event recorded on ``A`` (the parameters' last writes), and
+   ``A`` then waits on one recorded on ``W`` and ``record_stream``-s the casts, which it
+   reads in the layer's forward and dI.
 2. Forward: the layer's :class:`_Split` node is made on ``A`` and computes the stock math.
 3. Backward of ``_Split`` (on ``A``, the output gradient ``g`` ready there): ``g`` and the
    saved tensors get ``record_stream(W)``, since ``W`` reads them while ``A`` may free

@@ -48,18 +48,26 @@ def run_split(call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None) -
     dtype = (
         torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     )
+    params = (weight,) if bias is None else (weight, bias)
+    cast = dtype is not None and any(_casts(p, dtype) for p in params)
+    if cast:
+        # 1a. Under autocast the casts run on W, in forward: W first waits on A (the
+        # parameters' last writes, an optimizer step's, were queued there).
+        _fork_casts(backend, stream, ambient)
     # 1. The pass-through node (and autocast's casts) made on W.
     backend.set_stream(_handoff_stream(stream, ambient))
     try:
-        if bias is None:
-            handed_w, handed_b = _apply(_Handoff, weight), None
-        else:
-            handed_w, handed_b = _apply(_Handoff, weight, bias)
+        handed = _apply(_Handoff, *params)
+        handed = (handed,) if bias is None else handed
         if dtype is not None:
-            handed_w = _autocast(handed_w, dtype)
-            handed_b = None if handed_b is None else _autocast(handed_b, dtype)
+            handed = tuple(_autocast(t, dtype) for t in handed)
     finally:
         backend.set_stream(ambient)
+    if cast:
+        # 1b. A reads the casts (the layer's forward, then its dI); they were allocated
+        # on W and stay alive until the split node is freed after its backward.
+        _join_casts(backend, stream, ambient, handed)
+    handed_w, handed_b = handed[0], (handed[1] if bias is not None else None)
     if dtype is not None:
         x = _autocast(x, dtype)
     # 2. The split node, made on A.
@@ -74,6 +82,17 @@ def run_split(call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None) -
 def _handoff_stream(stream: Stream, ambient: Stream) -> Stream:
     """1. The stream the pass-through node is made on: the weight-gradient stream."""
     return stream
+
+
+def _fork_casts(backend: Backend, stream: Stream, ambient: Stream) -> None:
+    """1a. ``W`` waits on an event recorded on ``A`` now, before autocast's casts run on it."""
+    backend.wait_event(stream, backend.record_event(ambient))
+
+
+def _join_casts(backend: Backend, stream: Stream, ambient: Stream, casts: Iterable[Tensor]) -> None:
+    """1b. ``A`` waits on the casts, and each gets ``record_stream(A)``."""
+    backend.wait_event(ambient, backend.record_event(stream))
+    _protect(backend, casts, ambient)
 
 
 def _protect(backend: Backend, tensors: Iterable[Tensor], stream: Stream) -> None:
@@ -98,12 +117,15 @@ def _apply(function: type[torch.autograd.Function], *args: Any) -> Any:
     return function.apply(*args)  # type: ignore[no-untyped-call]
 
 
+def _casts(t: Tensor, dtype: torch.dtype) -> bool:
+    """Whether autocast casts ``t`` for a lower-precision op (``cached_cast``: floating
+    point but not double, if its dtype differs)."""
+    return t.is_floating_point() and t.dtype not in (torch.float64, dtype)
+
+
 def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t`` as autocast casts the arguments of a lower-precision op (``cached_cast``:
-    floating point but not double, cast if its dtype differs)."""
-    if t.is_floating_point() and t.dtype not in (torch.float64, dtype):
-        return t.to(dtype)
-    return t
+    """``t`` as autocast casts the arguments of a lower-precision op."""
+    return t.to(dtype) if _casts(t, dtype) else t
 
 
 class _Handoff(torch.autograd.Function):

@@ -5,6 +5,8 @@ them); and each of its synchronization points, removed, is caught."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -46,6 +48,73 @@ def test_the_split_checks_clean(
     assert report.races == () and report.allocator_hazards == ()
     assert report.ok  # parity bitwise too
     assert len(backward_ops_off_the_caller(report)) == 1  # the weight-gradient stream
+
+
+class Autocast(nn.Module):
+    """``inner`` under ``torch.autocast("cpu", dtype=torch.bfloat16)``, its output float32."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out: torch.Tensor = self.inner(x)
+        return out.float()
+
+
+def checked_under_autocast(name: str, capture: bool = False) -> CheckReport:
+    make, data = MODELS[name]
+    torch.manual_seed(0)
+    return check(Autocast(make()), data(), split_weight_grads=True, steps=3, capture=capture)
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("name", ["tied", "block"])
+def test_the_split_under_bf16_autocast_checks_clean(name: str, capture: bool) -> None:
+    # The weight's cast runs on the weight-gradient stream in forward (its backward, the
+    # cast of dW back to float32, then runs there too): forked from and joined to the
+    # layers' stream. The tied weight is read in float32 by the embedding and cast for the
+    # head.
+    report = checked_under_autocast(name, capture)
+    assert report.not_checked is None
+    assert report.races == () and report.allocator_hazards == ()
+    assert report.ok
+
+
+def test_without_the_fork_the_casts_race_with_the_optimizer_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wgrad, "_fork_casts", lambda backend, stream, ambient: None)
+    report = checked_under_autocast("tied")
+    assert any(
+        race.later.stream != "default" and race.earlier.phase == "step" for race in report.races
+    ), report.races
+
+
+def test_without_the_join_the_layer_reads_unfinished_casts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def protect_only(backend: Any, stream: Any, ambient: Any, casts: Any) -> None:
+        wgrad._protect(backend, casts, ambient)
+
+    monkeypatch.setattr(wgrad, "_join_casts", protect_only)
+    report = checked_under_autocast("tied")
+    assert any(
+        race.later.stream == "default" and race.earlier.stream != "default" for race in report.races
+    ), report.races
+    assert not report.allocator_hazards
+
+
+def test_without_record_stream_the_allocator_may_reuse_the_casts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def wait_only(backend: Any, stream: Any, ambient: Any, casts: Any) -> None:
+        backend.wait_event(ambient, backend.record_event(stream))
+
+    monkeypatch.setattr(wgrad, "_join_casts", wait_only)
+    report = checked_under_autocast("tied")
+    assert report.allocator_hazards and not report.races
 
 
 def test_accumulators_held_from_before_the_first_forward() -> None:

@@ -119,16 +119,25 @@ def test_gradient_accumulation_over_three_backward_calls() -> None:
     run(MLP, torch.randn(9, 12), accumulate)
 
 
-def test_bf16_autocast() -> None:
-    def autocast_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out: torch.Tensor = model(x)
-            loss = out.float().square().mean()
-        loss.backward()
-        return out
+def autocast_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out: torch.Tensor = model(x)
+        loss = out.float().square().mean()
+    loss.backward()
+    return out
 
+
+def test_bf16_autocast() -> None:
     run(Block, torch.randn(3, 8, 16), autocast_step)
     run(ConvNet, torch.randn(4, 3, 16), autocast_step)
+
+
+def test_tied_weights_under_bf16_autocast() -> None:
+    # The embedding reads the tied weight in float32 (no autocast rule), the head in
+    # bfloat16 through its cast: two uses of one parameter, summed in float32.
+    wrapped, backend = run(Tied, torch.randint(0, 20, (4, 7)), autocast_step)
+    assert wrapped.stats.split_layer_calls == (STEPS - 1) * 2
+    assert weight_grad_stream_used(wrapped, backend)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
