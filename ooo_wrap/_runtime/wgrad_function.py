@@ -71,7 +71,7 @@ def run_split(call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None) -
     if dtype is not None:
         x = _autocast(x, dtype)
     # 2. The split node, made on A.
-    out: Tensor = _apply(_Split, call, x, handed_w, handed_b)
+    out: Tensor = _apply(_Split, call, x, handed_w, handed_b, cast)
     return out
 
 
@@ -146,13 +146,14 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None
+        ctx: Any, call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None, cast: bool
     ) -> Tensor:
         ctx.split, ctx.rule, ctx.stream = call.split, call.rule, call.stream
         ctx.layer = weakref.ref(call.layer)
         # What the engine checks dW and db against: the tensors handed in (cast, under
         # autocast, as the cast's own node then converts on W).
         ctx.bias_like = None if bias is None else _Like.of(bias)
+        ctx.weight_cast = cast  # the weight saved is a cast: held by dW like x (6.)
         ctx.save_for_backward(x, weight)
         return call.rule.forward(call.layer, x, weight, bias)
 
@@ -170,7 +171,7 @@ class _Split(torch.autograd.Function):
             split.step_aside("create_graph")
             inline_dx = rule.input_grad(layer, grad, x, weight) if need_x else None
             inline_dw, inline_db = rule.weight_grads(layer, grad, x, weight, need_b)
-            return (None, inline_dx, inline_dw if need_w else None, inline_db)
+            return (None, inline_dx, inline_dw if need_w else None, inline_db, None)
         backend, stream = split.backend, ctx.stream
         ambient = backend.current_stream(weight.device)
         if need_w or need_b:
@@ -188,30 +189,21 @@ class _Split(torch.autograd.Function):
                 w_grad, b_grad = rule.weight_grads(layer, grad, x, weight, need_b)
                 dw = _like(w_grad, _Like.of(weight)) if need_w else None
                 db = _like(b_grad, ctx.bias_like) if need_b and b_grad is not None else None
-                held = _held_bytes((grad, x, weight), _params_of(layer))
+                held = _held_bytes((grad, x, weight) if ctx.weight_cast else (grad, x))
                 late = split.dw_launched(weight.device, stream, held)
             finally:
                 backend.set_stream(ambient)
             # 6. A waits on the pending dW beyond the budget (with it, dI and dW overlap).
             _catch_up(backend, ambient, late)
         # 5. The engine hands dW to the pass-through node, on W.
-        return (None, dx, dw, db)
+        return (None, dx, dw, db, None)
 
 
-def _params_of(layer: nn.Module) -> tuple[Tensor, ...]:
-    """The layer's own tensors (never freed by a backward, so never held by a dW)."""
-    return tuple(
-        t
-        for t in (getattr(layer, "weight", None), getattr(layer, "bias", None))
-        if isinstance(t, Tensor)
-    )
-
-
-def _held_bytes(tensors: Iterable[Tensor], params: Iterable[Tensor]) -> int:
+def _held_bytes(tensors: Iterable[Tensor]) -> int:
     """6. The bytes a pending dW keeps alive beyond its layer's backward: the storages of
-    ``tensors``, each once, less the parameters' (``nbytes`` of the whole storage, an upper
-    bound where a tensor is a view others keep alive too)."""
-    seen = {p.untyped_storage().data_ptr() for p in params}
+    ``tensors``, each once (``nbytes`` of the whole storage, an upper bound where a tensor
+    is a view that something else keeps alive too)."""
+    seen = set()
     held = 0
     for tensor in tensors:
         storage = tensor.untyped_storage()
