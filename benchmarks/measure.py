@@ -47,7 +47,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -72,23 +72,23 @@ DTYPES: tuple[Dtype, ...] = ("float32", "bfloat16")
 _AUTOCAST: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
 
 Mode = Literal[
-    "plain", "wrapped", "wrapped_overlap", "wrapped_tuned", "plain_graphed", "wrapped_graphed"
-]
-# In this order each point measures them, and each timing round steps them.
-MODES: tuple[Mode, ...] = (
     "plain",
     "wrapped",
     "wrapped_overlap",
     "wrapped_tuned",
+    "wrapped_split",
     "plain_graphed",
     "wrapped_graphed",
-)
+]
+# In this order (the Literal's) each point measures them, and each timing round steps them.
+MODES: tuple[Mode, ...] = get_args(Mode)
 REQUIRED_MODES: tuple[Mode, ...] = ("plain", "wrapped")  # every other mode is compared to them
 GRAPHED_MODES: tuple[Mode, ...] = ("plain_graphed", "wrapped_graphed")
 WRAPPED_MODES: tuple[Mode, ...] = (
     "wrapped",
     "wrapped_overlap",
     "wrapped_tuned",
+    "wrapped_split",
     "wrapped_graphed",
 )
 MODE_DESCRIPTIONS: dict[Mode, str] = {
@@ -98,6 +98,9 @@ MODE_DESCRIPTIONS: dict[Mode, str] = {
     "wrapped_tuned": "OOOModule(tune='auto'), eager: the wrapper times plain against planned "
     "steps and keeps the faster; each point records its decision and both medians beside "
     "this mode's own interleaved times",
+    "wrapped_split": "OOOModule(split_weight_grads=True, tune=False), eager: the plan with "
+    "every Linear and Conv weight gradient on a weight-gradient stream; each point records "
+    "the split layer calls per step",
     "plain_graphed": "the model as it is, the whole step captured as one CUDA graph, replayed",
     "wrapped_graphed": "OOOModule, the whole step captured as one CUDA graph, replayed; "
     "each point records the wrapper's stage calls forked onto side streams and run inline "
@@ -324,7 +327,8 @@ def measure_point(
         planner: ``OOOModule(planner=...)``: ``"dataflow"`` learns the plan on the wrapped
             side's first step (a warm-up or memory step, inline), ``"static"`` does not.
         modes: the sides, from :data:`MODES`; plain and wrapped eager are required.
-            ``wrapped_overlap`` wraps with ``overlap_forward=True``; the graphed modes
+            ``wrapped_overlap`` wraps with ``overlap_forward=True``, ``wrapped_split``
+            with ``split_weight_grads=True``; the graphed modes
             capture the whole step with ``capture``.
         capture: how a graphed side captures its step (:func:`ooo_wrap.graphed_step` by
             default: without CUDA it does not capture, and the graphed modes fail).
@@ -358,6 +362,7 @@ def measure_point(
                 planner=planner,  # type: ignore[arg-type]
                 overlap_forward=mode == "wrapped_overlap",
                 tune="auto" if mode == "wrapped_tuned" else False,
+                split_weight_grads=True if mode == "wrapped_split" else "auto",
             )
         if mode in GRAPHED_MODES:
             return _GraphedSide(

@@ -151,6 +151,8 @@ def _mode_note(record: Record, mode: str) -> str:
     elif side.get("stats_per_step"):
         stats = side["stats_per_step"]
         notes.append(f"{stats['waits']:g} waits / {stats['record_streams']:g} record_streams")
+        if mode == "wrapped_split":
+            notes.append(f"{stats.get('split_layer_calls', 0):g} split layer calls")
     if mode == "wrapped_tuned":
         notes.append(_tuning_note(side.get("tuning"), side.get("tuning_steps")))
     return "; ".join(notes) or "-"

@@ -138,6 +138,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "decision recorded beside this mode's interleaved times",
     )
     g.add_argument(
+        "--split",
+        action="store_true",
+        help="add the mode wrapped_split: OOOModule(split_weight_grads=True), every Linear "
+        "and Conv weight gradient on a weight-gradient stream",
+    )
+    g.add_argument(
         "--graphs",
         action="store_true",
         help="add the modes plain_graphed and wrapped_graphed: the whole training step "
@@ -188,6 +194,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         wanted.append("wrapped_overlap")
     if args.tuned:
         wanted.append("wrapped_tuned")
+    if args.split:
+        wanted.append("wrapped_split")
     if args.graphs:
         wanted += GRAPHED_MODES
     args.modes = list(check_modes(wanted))

@@ -55,6 +55,7 @@ __all__ = [
     "current_autograd_node",
     "dataflow_names_found",
     "deferred_joins_work",
+    "device_live_bytes",
     "first_input_shape",
     "flop_formulas",
     "forward_hook_dicts",
@@ -391,6 +392,20 @@ def stream_is_capturing(stream: Any) -> bool:
     if torch.device(stream.device).type != "cuda":
         return False
     return bool(torch.cuda.is_current_stream_capturing())
+
+
+def device_live_bytes(device: torch.device) -> int:
+    """The bytes tensors occupy on ``device`` now (the caching allocator's allocated bytes).
+
+    ``torch.accelerator.memory_allocated`` is new in torch 2.9; without it only CUDA can
+    be asked (``torch.cuda.memory_allocated``), and other devices say 0.
+    """
+    query = getattr(torch.accelerator, "memory_allocated", None)
+    if query is not None:
+        return int(query(device))
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return 0
 
 
 def forward_hook_dicts(module: nn.Module) -> tuple[dict[int, Any], ...]:

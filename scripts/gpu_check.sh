@@ -17,10 +17,12 @@
 #   a. tests/gpu/test_cuda.py alone: the verdict that matters (per-test timeout, SIGINT at the
 #      step's limit so that the junit report is still written)
 #   b. CUDA Stream Sanitizer: record_stream preflight, wrapped training runs that must be
-#      silent, and races it must flag (a toy, and the wrapper with its fork wait removed)
-#   c. benchmark suite, every point in five modes interleaved (plain and wrapped eager,
-#      wrapped with overlap_forward=True, plain and wrapped with the whole step captured as
-#      a CUDA graph); full: the default sweep of four families, cut to the time left;
+#      silent (stages alone, and with the weight-gradient split), and races it must flag
+#      (a toy, the wrapper with its fork wait removed, the split with its dW wait removed)
+#   c. benchmark suite, every point in seven modes interleaved (plain and wrapped eager,
+#      wrapped with overlap_forward=True, tuned, with the weight-gradient split, plain and
+#      wrapped with the whole step captured as a CUDA graph); full: the default sweep of
+#      four families, cut to the time left;
 #      quick: 3 points (the towers target, the transformer, the launch-bound fanout)
 #   d. optional, if time is left (not in --quick): the other `cuda` tests (torch.compile
 #      with inductor, DDP and FSDP with NCCL in spawned processes)
@@ -232,8 +234,9 @@ fi
 # --- c. benchmark suite ---------------------------------------------------------------------
 name="(c) benchmark suite"
 if starts "$name" 30; then
-  # Every mode at every point, in one process: eager, overlap_forward, tuned, CUDA graphs.
-  modes=(--overlap-forward --tuned --graphs)
+  # Every mode at every point, in one process: eager, overlap_forward, tuned, the
+  # weight-gradient split, CUDA graphs.
+  modes=(--overlap-forward --tuned --split --graphs)
   if ((QUICK)); then
     sweep=(--models towers,transformer,fanout --dtypes float32 --towers-batches 16
       --towers-widths 2048 --transformer-batches 32 --fanout-batches 256 --warmup 3

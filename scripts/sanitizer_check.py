@@ -11,12 +11,16 @@ each unsynchronized access to stderr and raises. One process does, in order:
 1. preflight: whether this sanitizer ignores ``record_stream``. Older ones count it as a
    write on the current stream, so code that calls it after recording its fork event
    (a correct pattern) is flagged; the answer explains any report in step 2.
-2. clean: training steps of every benchmark model, wrapped; each run must finish with no
-   report.
-3. broken: two races the sanitizer must flag, or its silence in step 2 proves nothing:
-   a two-stream toy program without its wait, and a benchmark model wrapped by the real
+2. clean: training steps of every benchmark model, wrapped (stages alone), and of the
+   towers and the transformer with the weight-gradient split too
+   (``split_weight_grads=True``: each layer's dW on the weight-gradient stream, inside
+   the stages); each run must finish with no report.
+3. broken: three races the sanitizer must flag, or its silence in step 2 proves nothing:
+   a two-stream toy program without its wait, a benchmark model wrapped by the real
    wrapper with its fork wait removed (the stage's stream no longer waits for the
-   caller's), the class of bug this wrapper could have.
+   caller's), the class of bug this wrapper could have, and a chain of layers with the
+   weight-gradient split alone, with the same waits removed (the weight-gradient stream
+   no longer waits for the layer's output gradient before computing dW).
 
 The last line is the verdict; the exit status is 0 only if every clean run was silent and
 every broken one was flagged.
@@ -121,17 +125,40 @@ def without_fork_wait(base: type[B]) -> type[B]:
     return WithoutForkWait
 
 
+def split_chain() -> Case:
+    """A chain of layers: with the weight-gradient split, its plan is the split alone."""
+
+    def build() -> nn.Module:
+        layers = [nn.Linear(256, 256) if i % 2 == 0 else nn.GELU() for i in range(7)]
+        return nn.Sequential(*layers)
+
+    def batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        return torch.randn(16, 256, generator=gen).to(device), torch.zeros(16, 256).to(device)
+
+    return Case("chain of 4 Linear(256, 256)", build, batch, F.mse_loss)
+
+
 def train(
     case: Case,
     device: torch.device,
     steps: int,
     dtype: torch.dtype | None,
     backend: Any = None,
+    split: bool = False,
+    planner: str = "static",
 ) -> str:
-    """``steps`` training steps of ``case`` wrapped; returns a one-line account."""
-    # The static plan: the protocol is what is checked, and it forks from the first step.
+    """``steps`` training steps of ``case`` wrapped (with the weight-gradient split if
+    ``split``); returns a one-line account."""
+    # The static plan by default: the protocol is what is checked, and it forks from the
+    # first step (the dataflow planner's first step learns, inline).
     model = ooo_wrap.OOOModule(
-        case.build().to(device), streams=4, backend=backend, planner="static"
+        case.build().to(device),
+        streams=4,
+        backend=backend,
+        planner=planner,  # type: ignore[arg-type]
+        split_weight_grads=split,
+        tune=False,
     )
     if not isinstance(model, ooo_wrap.OOOModule):
         events = "; ".join(str(e) for e in ooo_wrap.events_for(model))
@@ -152,6 +179,7 @@ def train(
         f"{len(model.plan.stages)} stages on {model.plan.num_streams} streams, "
         f"{stats.stage_calls} stage calls, {stats.waits} waits, "
         f"{stats.record_streams} record_stream calls"
+        + (f", {stats.split_layer_calls} split layer calls" if split else "")
     )
 
 
@@ -227,19 +255,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     clean_ok = clean_runs = broken_ok = broken_runs = 0
     if args.mode in ("all", "clean"):
         dtypes = (None,) if args.quick else (None, torch.bfloat16)
-        for case in cases(args.quick):
-            for dtype in dtypes:
-                account: list[str] = []
-                message = flagged(
-                    lambda c=case, d=dtype, a=account: a.append(train(c, device, args.steps, d)),
-                    device,
-                )
-                clean_runs += 1
-                if message is None:
-                    clean_ok += 1
-                    print(f"ok: {account[0]}", flush=True)
-                else:
-                    print(f"REPORTED (must be silent): {case.name}: {message}", flush=True)
+        # Stages alone on every model; with the split too on the towers and the transformer.
+        runs = [(c, d, False) for c in cases(args.quick) for d in dtypes]
+        runs += [(c, d, True) for c in cases(quick=True) for d in dtypes]
+        for case, dtype, split in runs:
+            account: list[str] = []
+            message = flagged(
+                lambda c=case, d=dtype, a=account, s=split: a.append(
+                    train(c, device, args.steps, d, split=s)
+                ),
+                device,
+            )
+            clean_runs += 1
+            if message is None:
+                clean_ok += 1
+                print(f"ok: {account[0]}", flush=True)
+            else:
+                what = f"{case.name}{' with the split' if split else ''}"
+                print(f"REPORTED (must be silent): {what}: {message}", flush=True)
     if args.mode in ("all", "broken"):
         spec = ModelSpec.towers(4, 256, 2)
         broken_backend = without_fork_wait(AcceleratorBackend)()
@@ -248,6 +281,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             (
                 f"{spec.label} wrapped, with the fork wait removed",
                 lambda: train(_spec_case(spec, 8), device, 1, None, backend=broken_backend),
+            ),
+            (
+                "a chain with the weight-gradient split, its dW wait removed",
+                # The dataflow plan of a chain is the split alone (no stage to fork); its
+                # first step learns, inline, the second splits.
+                lambda: train(
+                    split_chain(),
+                    device,
+                    2,
+                    None,
+                    backend=broken_backend,
+                    split=True,
+                    planner="dataflow",
+                ),
             ),
         ]
         for name, run in races:

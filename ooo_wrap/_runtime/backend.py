@@ -7,7 +7,9 @@ ROCm and XPU share one code path.
 A backend that can time training steps also has ``step_clock(device)``, returning a
 :class:`StepClock` (timing events read without a per-step host sync) or ``None``; it is
 optional, so a backend written against :class:`Backend` alone keeps working and simply
-cannot time (:func:`clock_of`).
+cannot time (:func:`clock_of`). Likewise ``live_bytes(device)``, the bytes tensors occupy
+on the device now, which bounds how far the weight-gradient split may lag
+(:func:`live_bytes_of`: 0 where the backend cannot tell, so the split does not lag).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Protocol, TypeAlias
 
 import torch
 
-from .._compat import stream_is_capturing
+from .._compat import device_live_bytes, stream_is_capturing
 
 __all__ = [
     "AcceleratorBackend",
@@ -26,6 +28,7 @@ __all__ = [
     "StepClock",
     "Stream",
     "clock_of",
+    "live_bytes_of",
 ]
 
 # Streams and events are opaque to the scheduler: it only hands them back to its backend.
@@ -107,6 +110,12 @@ def clock_of(backend: Backend, device: torch.device) -> StepClock | None:
     return clock
 
 
+def live_bytes_of(backend: Backend, device: torch.device) -> int:
+    """The bytes tensors occupy on ``device`` now, as the backend tells, else 0."""
+    live_bytes = getattr(backend, "live_bytes", None)
+    return int(live_bytes(device)) if callable(live_bytes) else 0
+
+
 class AcceleratorBackend:
     """:class:`Backend` on the current accelerator (CUDA, ROCm, XPU, ...)."""
 
@@ -161,6 +170,9 @@ class AcceleratorBackend:
 
     def step_clock(self, device: torch.device) -> StepClock | None:
         return AcceleratorClock(device) if self.unsupported_reason(device) is None else None
+
+    def live_bytes(self, device: torch.device) -> int:
+        return device_live_bytes(device)
 
 
 class AcceleratorClock:

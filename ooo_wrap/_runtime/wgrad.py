@@ -13,8 +13,12 @@ weight-gradient stream):
 1. Forward: the weight (and bias) enter through a pass-through node (:class:`_Handoff`)
    made while ``W`` is current, so its backward runs on ``W``; as it is normally the
    parameter's first use in the graph, the parameter's ``AccumulateGrad`` is made on
-   ``W`` too. Under autocast their casts are made there as well (the cast's backward then
-   runs on ``W``). No kernel runs on ``W`` in forward: the pass-through is a view.
+   ``W`` too. The pass-through is a view: no kernel. Under autocast the casts to the
+   lower precision are made there as well, so the cast's backward (dW back to the
+   parameter's dtype) runs on ``W``; those casts are kernels on ``W`` in forward, so
+   ``W`` first waits on an event recorded on ``A`` (the parameters' last writes), and
+   ``A`` then waits on one recorded on ``W`` and ``record_stream``-s the casts, which it
+   reads in the layer's forward and dI.
 2. Forward: the layer's :class:`_Split` node is made on ``A`` and computes the stock math.
 3. Backward of ``_Split`` (on ``A``, the output gradient ``g`` ready there): ``g`` and the
    saved tensors get ``record_stream(W)``, since ``W`` reads them while ``A`` may free
@@ -31,10 +35,16 @@ weight-gradient stream):
    first use may be elsewhere), hooks, and the end-of-backward wait of the caller's
    stream on leaf streams. dW's memory was allocated on ``W``; the engine
    ``record_stream``s it to any other consumer stream.
-6. Memory: each dW holds its layer's output gradient and input until it ran, so before a
-   layer's dI, its stream waits on the end of the dW launched ``LAG`` split layers before
-   (``W`` may lag by at most ``LAG`` layers' weight gradients); the events are dropped
-   when the backward ends.
+6. Memory: each dW holds its layer's output gradient and input (and, under autocast, the
+   cast weight) until it ran, so ``W`` may lag ``A`` only by a byte budget: once a dW is
+   launched, ``A`` waits on the oldest pending dW until the bytes the pending ones hold
+   fit within ``HELD_FRACTION`` of the device's live bytes when the backward's first
+   split layer launched its dW. Those live bytes are alive at the same point of a plain
+   backward, so at any point of the split backward the extra bytes are at most
+   ``HELD_FRACTION`` of a plain backward's peak. Where the backend cannot tell live bytes
+   (the simulated one), the budget is 0: ``A`` waits on each layer's dW right after
+   launching it, so dW overlaps only its own layer's dI. The events are dropped when the
+   backward ends (the engine's end-of-backward wait on leaf streams covers the rest).
 
 With ``create_graph=True`` (known only in backward: grad mode is on there) the backward
 computes dI and dW inline on ``A`` with differentiable ops, so a gradient penalty's double
@@ -64,10 +74,10 @@ from torch import Tensor, nn
 from .._compat import functorch_transforms_active, is_fsdp_managed, queue_engine_callback
 from .._events import EventKind, EventLog, OOOEvent
 from .._stats import Counters
-from .backend import Backend, Event, Stream
+from .backend import Backend, Event, Stream, live_bytes_of
 from .bypass import eager_bypass_reason
 from .inflight import thread_state
-from .wgrad_function import run_split
+from .wgrad_function import LayerCall, run_split
 from .wgrad_layers import SplitRule, rule_for
 
 __all__ = ["WeightGradSplit", "split_layers", "swapped_class"]
@@ -79,8 +89,9 @@ _owners: weakref.WeakKeyDictionary[nn.Module, WeightGradSplit] = weakref.WeakKey
 # original class -> its swapped class; classes live for the process.
 _classes: dict[type[nn.Module], type[nn.Module]] = {}
 
-# How many split layers' weight gradients the layers' stream may run ahead of (6.).
-LAG = 2
+# The most bytes the pending weight gradients may hold, as a fraction of the device's live
+# bytes when the backward's first split layer ran (6.).
+HELD_FRACTION = 0.10
 
 _MESSAGES = {
     "no_grad": "gradients are off: no weight gradient to split",
@@ -130,9 +141,8 @@ class WeightGradSplit:
         self._layers: list[tuple[weakref.ref[nn.Module], type[nn.Module]]] = []
         self._reported: set[str] = set()
         self._forward_planned = False  # whether the model's last forward ran planned
-        # Per device, the events of the dW launched by this backward's last split layers
-        # (6.), oldest first; emptied when the backward ends.
-        self._lag: dict[torch.device, collections.deque[Event]] = {}
+        # Per device, this backward's pending dW (6.); dropped when the backward ends.
+        self._lag: dict[torch.device, _Lag] = {}
 
     def install(self, layers: Iterable[nn.Module]) -> None:
         """Swap each layer's class (its original kept to restore)."""
@@ -165,27 +175,28 @@ class WeightGradSplit:
             stream = self._streams[device] = self.backend.new_stream(device)
         return stream
 
-    def bound_lag(self, device: torch.device, ambient: Stream) -> None:
-        """6. The layer's stream waits on the dW of the split layer ``LAG`` calls back, so
-        the blocks each dW holds (its layer's output gradient and input) are freed with at
-        most ``LAG`` layers' delay behind a plain backward."""
+    def dw_launched(self, device: torch.device, stream: Stream, held: int) -> list[Event]:
+        """6. Note the dW just launched on ``stream`` (current), holding ``held`` bytes;
+        return the events of the oldest pending dW that the layer's stream must now wait
+        on so that the pending ones hold at most the budget."""
         lag = self._lag.get(device)
         if lag is None:
-            lag = self._lag[device] = collections.deque()
+            budget = int(HELD_FRACTION * live_bytes_of(self.backend, device))
+            lag = self._lag[device] = _Lag(budget)
             # Events never outlive the backward (a wait must not cross a graph capture's
             # boundary): the engine's end-of-backward callback drops them.
             queue_engine_callback(functools.partial(self._end_backward, device))
-        if len(lag) >= LAG:
-            self.backend.wait_event(ambient, lag.popleft())
+        lag.pending.append((self.backend.record_event(stream), held))
+        lag.held += held
+        waits = []
+        while lag.held > lag.budget:
+            event, size = lag.pending.popleft()
+            lag.held -= size
+            waits.append(event)
+        return waits
 
     def _end_backward(self, device: torch.device) -> None:
         self._lag.pop(device, None)
-
-    def dw_launched(self, device: torch.device, stream: Stream) -> None:
-        """6. Note the end of the dW just launched on ``stream`` (the current stream)."""
-        lag = self._lag.get(device)
-        if lag is not None:
-            lag.append(self.backend.record_event(stream))
 
     def step_aside(self, reason: str) -> None:
         """Count a layer call that ran stock, and say why once."""
@@ -245,7 +256,17 @@ class WeightGradSplit:
         weight, bias = _params(layer)
         assert weight is not None  # _reason refused a layer without one
         self.counters.split_layer_calls += 1
-        return run_split(self, rule, layer, self.stream(weight.device), x, weight, bias)
+        call = LayerCall(self, rule, layer, self.stream(weight.device))
+        return run_split(call, x, weight, bias)
+
+
+class _Lag:
+    """One device's pending dW in the running backward (6.)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # bytes the pending dW may hold
+        self.held = 0  # bytes they hold now
+        self.pending: collections.deque[tuple[Event, int]] = collections.deque()  # oldest first
 
 
 def _params(layer: nn.Module) -> tuple[Tensor | None, Tensor | None]:

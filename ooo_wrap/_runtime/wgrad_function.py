@@ -15,10 +15,10 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from .backend import Backend, Stream
+from .backend import Backend, Event, Stream
 from .wgrad_layers import SplitRule
 
-__all__ = ["SplitState", "run_split"]
+__all__ = ["LayerCall", "SplitState", "run_split"]
 
 
 class SplitState(Protocol):
@@ -28,42 +28,50 @@ class SplitState(Protocol):
 
     def step_aside(self, reason: str) -> None: ...
 
-    def bound_lag(self, device: torch.device, ambient: Stream) -> None: ...
-
-    def dw_launched(self, device: torch.device, stream: Stream) -> None: ...
+    def dw_launched(self, device: torch.device, stream: Stream, held: int) -> list[Event]: ...
 
 
-def run_split(
-    split: SplitState,
-    rule: SplitRule,
-    layer: nn.Module,
-    stream: Stream,
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-) -> Tensor:
-    """One split layer call (steps 1 and 2) on the current stream ``A``; ``stream`` is ``W``."""
+class LayerCall(NamedTuple):
+    """What one split layer call runs with, besides its tensors."""
+
+    split: SplitState  # the model's split
+    rule: SplitRule  # the layer's forward, dI and dW formulas
+    layer: nn.Module
+    stream: Stream  # the weight-gradient stream ``W`` of the layer's device
+
+
+def run_split(call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """One split layer call (steps 1 and 2) on the current stream ``A``."""
+    split, stream = call.split, call.stream
     backend, device = split.backend, weight.device
     ambient = backend.current_stream(device)
     dtype = (
         torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     )
+    params = (weight,) if bias is None else (weight, bias)
+    cast = dtype is not None and any(_casts(p, dtype) for p in params)
+    if cast:
+        # 1a. Under autocast the casts run on W, in forward: W first waits on A (the
+        # parameters' last writes, an optimizer step's, were queued there).
+        _fork_casts(backend, stream, ambient)
     # 1. The pass-through node (and autocast's casts) made on W.
     backend.set_stream(_handoff_stream(stream, ambient))
     try:
-        if bias is None:
-            handed_w, handed_b = _apply(_Handoff, weight), None
-        else:
-            handed_w, handed_b = _apply(_Handoff, weight, bias)
+        handed = _apply(_Handoff, *params)
+        handed = (handed,) if bias is None else handed
         if dtype is not None:
-            handed_w = _autocast(handed_w, dtype)
-            handed_b = None if handed_b is None else _autocast(handed_b, dtype)
+            handed = tuple(_autocast(t, dtype) for t in handed)
     finally:
         backend.set_stream(ambient)
+    if cast:
+        # 1b. A reads the casts (the layer's forward, then its dI); they were allocated
+        # on W and stay alive until the split node is freed after its backward.
+        _join_casts(backend, stream, ambient, handed)
+    handed_w, handed_b = handed[0], (handed[1] if bias is not None else None)
     if dtype is not None:
         x = _autocast(x, dtype)
     # 2. The split node, made on A.
-    out: Tensor = _apply(_Split, split, rule, layer, stream, x, handed_w, handed_b)
+    out: Tensor = _apply(_Split, call, x, handed_w, handed_b, cast)
     return out
 
 
@@ -74,6 +82,17 @@ def run_split(
 def _handoff_stream(stream: Stream, ambient: Stream) -> Stream:
     """1. The stream the pass-through node is made on: the weight-gradient stream."""
     return stream
+
+
+def _fork_casts(backend: Backend, stream: Stream, ambient: Stream) -> None:
+    """1a. ``W`` waits on an event recorded on ``A`` now, before autocast's casts run on it."""
+    backend.wait_event(stream, backend.record_event(ambient))
+
+
+def _join_casts(backend: Backend, stream: Stream, ambient: Stream, casts: Iterable[Tensor]) -> None:
+    """1b. ``A`` waits on the casts, and each gets ``record_stream(A)``."""
+    backend.wait_event(ambient, backend.record_event(stream))
+    _protect(backend, casts, ambient)
 
 
 def _protect(backend: Backend, tensors: Iterable[Tensor], stream: Stream) -> None:
@@ -87,17 +106,26 @@ def _order_after(backend: Backend, stream: Stream, ambient: Stream) -> None:
     backend.wait_event(stream, backend.record_event(ambient))
 
 
+def _catch_up(backend: Backend, ambient: Stream, events: Iterable[Event]) -> None:
+    """6. ``A`` waits on the pending dW beyond the byte budget."""
+    for event in events:
+        backend.wait_event(ambient, event)
+
+
 def _apply(function: type[torch.autograd.Function], *args: Any) -> Any:
     """``function.apply(*args)`` (untyped in torch)."""
     return function.apply(*args)  # type: ignore[no-untyped-call]
 
 
+def _casts(t: Tensor, dtype: torch.dtype) -> bool:
+    """Whether autocast casts ``t`` for a lower-precision op (``cached_cast``: floating
+    point but not double, if its dtype differs)."""
+    return t.is_floating_point() and t.dtype not in (torch.float64, dtype)
+
+
 def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t`` as autocast casts the arguments of a lower-precision op (``cached_cast``:
-    floating point but not double, cast if its dtype differs)."""
-    if t.is_floating_point() and t.dtype not in (torch.float64, dtype):
-        return t.to(dtype)
-    return t
+    """``t`` as autocast casts the arguments of a lower-precision op."""
+    return t.to(dtype) if _casts(t, dtype) else t
 
 
 class _Handoff(torch.autograd.Function):
@@ -118,22 +146,16 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        split: SplitState,
-        rule: SplitRule,
-        layer: nn.Module,
-        stream: Stream,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
+        ctx: Any, call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None, cast: bool
     ) -> Tensor:
-        ctx.split, ctx.rule, ctx.stream = split, rule, stream
-        ctx.layer = weakref.ref(layer)
+        ctx.split, ctx.rule, ctx.stream = call.split, call.rule, call.stream
+        ctx.layer = weakref.ref(call.layer)
         # What the engine checks dW and db against: the tensors handed in (cast, under
         # autocast, as the cast's own node then converts on W).
         ctx.bias_like = None if bias is None else _Like.of(bias)
+        ctx.weight_cast = cast  # the weight saved is a cast: held by dW like x (6.)
         ctx.save_for_backward(x, weight)
-        return rule.forward(layer, x, weight, bias)
+        return call.rule.forward(call.layer, x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
@@ -141,8 +163,7 @@ class _Split(torch.autograd.Function):
         rule: SplitRule = ctx.rule
         layer = ctx.layer()
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[4:7]
-        none = (None, None, None, None)
+        need_x, need_w, need_b = ctx.needs_input_grad[1:4]
         if layer is None:
             raise RuntimeError("ooo_wrap: a split layer was freed before its backward ran")
         if torch.is_grad_enabled():
@@ -150,7 +171,7 @@ class _Split(torch.autograd.Function):
             split.step_aside("create_graph")
             inline_dx = rule.input_grad(layer, grad, x, weight) if need_x else None
             inline_dw, inline_db = rule.weight_grads(layer, grad, x, weight, need_b)
-            return (*none, inline_dx, inline_dw if need_w else None, inline_db)
+            return (None, inline_dx, inline_dw if need_w else None, inline_db, None)
         backend, stream = split.backend, ctx.stream
         ambient = backend.current_stream(weight.device)
         if need_w or need_b:
@@ -158,8 +179,6 @@ class _Split(torch.autograd.Function):
             # then order W after everything queued on A so far (grad is ready there).
             _protect(backend, (grad, x, weight), stream)
             _order_after(backend, stream, ambient)
-        if need_w or need_b:
-            split.bound_lag(weight.device, ambient)
         # 4. dI on A, on the critical path; then dW (and db) on W.
         dx = rule.input_grad(layer, grad, x, weight) if need_x else None
         dw: Tensor | None = None
@@ -170,11 +189,28 @@ class _Split(torch.autograd.Function):
                 w_grad, b_grad = rule.weight_grads(layer, grad, x, weight, need_b)
                 dw = _like(w_grad, _Like.of(weight)) if need_w else None
                 db = _like(b_grad, ctx.bias_like) if need_b and b_grad is not None else None
-                split.dw_launched(weight.device, stream)
+                held = _held_bytes((grad, x, weight) if ctx.weight_cast else (grad, x))
+                late = split.dw_launched(weight.device, stream, held)
             finally:
                 backend.set_stream(ambient)
+            # 6. A waits on the pending dW beyond the budget (with it, dI and dW overlap).
+            _catch_up(backend, ambient, late)
         # 5. The engine hands dW to the pass-through node, on W.
-        return (*none, dx, dw, db)
+        return (None, dx, dw, db, None)
+
+
+def _held_bytes(tensors: Iterable[Tensor]) -> int:
+    """6. The bytes a pending dW keeps alive beyond its layer's backward: the storages of
+    ``tensors``, each once (``nbytes`` of the whole storage, an upper bound where a tensor
+    is a view that something else keeps alive too)."""
+    seen = set()
+    held = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            held += storage.nbytes()
+    return held
 
 
 class _Like(NamedTuple):

@@ -13,7 +13,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ooo_wrap
-from tests.support.distributed import assert_same_tensors, rank_device, run_ranks
+from tests.support.distributed import (
+    assert_same_tensors,
+    rank_device,
+    run_ranks,
+    train_history,
+)
 from tests.support.wgrad_models import MLP
 
 pytestmark = pytest.mark.slow  # subprocesses
@@ -22,21 +27,9 @@ STEPS = 4  # the learning step, then three with the split
 
 
 def _train(model: nn.Module, rank: int, device: torch.device) -> list[dict[str, Any]]:
-    ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    history = []
-    for step in range(STEPS):
-        generator = torch.Generator().manual_seed(1000 * rank + step)
-        x = torch.randn(6, 12, generator=generator).to(device)
-        optimizer.zero_grad(set_to_none=True)
-        ddp(x).pow(2).mean().backward()
-        grads = {
-            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
-        }
-        optimizer.step()
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        history.append({"grads": grads, "params": params})
-    return history
+    return train_history(
+        model, rank, device, steps=STEPS, features=12, call=DistributedDataParallel(model)
+    )
 
 
 def _worker(rank: int, world_size: int) -> dict[str, Any]:

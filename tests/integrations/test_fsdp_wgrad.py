@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 import ooo_wrap
 from tests.support.distributed import (
@@ -20,6 +19,7 @@ from tests.support.distributed import (
     assert_same_tensors,
     rank_device,
     run_ranks,
+    train_history,
 )
 from tests.support.wgrad_models import MLP
 
@@ -37,26 +37,8 @@ def _shard(model: nn.Module) -> None:
     fully_shard(model)
 
 
-def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    if tensor is None:
-        return None
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return full.detach().clone()
-
-
 def _train(model: nn.Module, rank: int, device: torch.device) -> list[dict[str, Any]]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    history = []
-    for step in range(STEPS):
-        generator = torch.Generator().manual_seed(1000 * rank + step)
-        x = torch.randn(6, 12, generator=generator).to(device)
-        optimizer.zero_grad(set_to_none=True)
-        model(x).pow(2).mean().backward()
-        grads = {name: _full(p.grad) for name, p in model.named_parameters()}
-        optimizer.step()
-        params = {name: _full(p) for name, p in model.named_parameters()}
-        history.append({"grads": grads, "params": params})
-    return history
+    return train_history(model, rank, device, steps=STEPS, features=12)
 
 
 def _worker(rank: int, world_size: int) -> dict[str, Any]:

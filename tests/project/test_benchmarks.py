@@ -554,6 +554,37 @@ def test_the_wrapper_without_its_fork_wait_is_a_race_the_cpu_detector_sees(broke
         assert len(side_waits) == 3
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_split_without_its_dw_wait_is_a_race_the_cpu_detector_sees(broken: bool) -> None:
+    # The sanitizer's broken split run, checked here by the CPU race detector: on the
+    # chain (its plan the split alone), the broken backend drops exactly the weight-
+    # gradient stream's wait for the layer's output gradient, one per layer, and that is
+    # a race; the layers' stream still catches up with each dW.
+    backend_class = DetectingBackend
+    if broken:
+        backend_class = sanitizer_check.without_fork_wait(DetectingBackend)
+    case = sanitizer_check.split_chain()
+    x, y = case.batch(torch.device("cpu"))
+    with ooo_wrap.testing.detect(backend_class()) as found:
+        model = ooo_wrap.OOOModule(
+            case.build(), backend=found.backend, split_weight_grads=True, tune=False
+        )
+        found.keep_alive(model)
+        for _ in range(2):  # the first step learns, inline; the second splits
+            case.loss(model(x), y).backward()
+            found.keep_alive(*(p.grad for p in model.parameters()))
+    assert model.plan.stages == () and model.stats.split_layer_calls == 4
+    waits = [call for call in found.backend.log if call.op == "wait_event"]
+    on_w = [call for call in waits if call.stream != DEFAULT_STREAM]
+    assert len(waits) - len(on_w) == 4  # the layers' stream catches up with each dW
+    if broken:
+        assert found.races, "removing the dW wait must be a race"
+        assert on_w == []
+    else:
+        assert not found.races and not found.allocator_hazards
+        assert len(on_w) == 4
+
+
 class CUDASanitizerErrors(Exception):  # named as torch's private class, matched by name
     pass
 
@@ -563,8 +594,15 @@ def test_sanitizer_check_verdict(
     failure: str | None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The GPU work replaced: what the sanitizer would raise, and where.
-    def train(case: Any, device: Any, steps: int, dtype: Any, backend: Any = None) -> str:
-        reported = failure == "clean run reported" and case.name.startswith("towers")
+    def train(
+        case: Any, device: Any, steps: int, dtype: Any, backend: Any = None, **options: Any
+    ) -> str:
+        runs.append((case.name, options.get("split", False), backend is not None))
+        reported = (
+            failure == "clean run reported"
+            and case.name.startswith("towers")
+            and not options.get("split")
+        )
         if backend is not None or reported:
             raise CUDASanitizerErrors("CSAN detected a possible data race")
         return case.name
@@ -580,18 +618,31 @@ def test_sanitizer_check_verdict(
     monkeypatch.setattr(sanitizer_check, "train", train)
     monkeypatch.setattr(sanitizer_check, "toy_race", toy_race)
     monkeypatch.setattr(sanitizer_check, "probe_record_stream", lambda device: True)
+    runs: list[tuple[str, bool, bool]] = []  # model, with the split, a broken backend
     status = sanitizer_check.main(["--quick"])
     out = capsys.readouterr().out
     verdict = out.strip().splitlines()[-1]
     assert out.startswith("preflight: this sanitizer ignores record_stream")
+    # Quick: the towers and the transformer, stages alone and with the split; then the
+    # two broken wrappers (the toy race runs no model).
+    names = [(name.split()[0], split, broken) for name, split, broken in runs]
+    assert names == [
+        ("towers", False, False),
+        ("transformer", False, False),
+        ("towers", True, False),
+        ("transformer", True, False),
+        ("towers", False, True),
+        ("chain", True, True),
+    ]
     if failure is None:
-        assert status == 0 and verdict.startswith("verdict: PASS: 2/2 clean runs silent")
+        assert status == 0 and verdict.startswith("verdict: PASS: 4/4 clean runs silent")
+        assert "3/3 broken runs flagged" in verdict
     elif failure == "clean run reported":
         assert status == 1 and "REPORTED (must be silent): towers" in out
-        assert verdict.startswith("verdict: FAIL: 1/2 clean runs silent, 2/2 broken")
+        assert verdict.startswith("verdict: FAIL: 3/4 clean runs silent, 3/3 broken")
     else:
         assert status == 1 and "NOT FLAGGED (must be): a two-stream program" in out
-        assert "1/2 broken runs flagged" in verdict
+        assert "2/3 broken runs flagged" in verdict
 
 
 def test_a_learned_no_parallelism_chain_makes_no_backend_call() -> None:
@@ -601,22 +652,27 @@ def test_a_learned_no_parallelism_chain_makes_no_backend_call() -> None:
     assert result["plain_iqr_us"] >= 0
 
 
-def test_measure_point_with_overlap_forward_defers_the_joins() -> None:
-    """The suite's --overlap-forward adds the mode beside wrapped; it reaches the wrapper."""
-    args = suite.parse_args(["--overlap-forward"])
-    assert args.modes == ["plain", "wrapped", "wrapped_overlap"]
-    assert suite._settings(args)["overlap_forward"]
-    spec = SMALL["fanout"]
-    record = measure_point(
-        Point(spec, 2, "float32"),
+def measure_small(family: str, modes: Sequence[str]) -> dict[str, Any]:
+    """``modes`` measured on the small ``family`` model at batch 2 on virtual streams, with
+    the static plan: one warm-up step and two timed ones."""
+    return measure_point(
+        Point(SMALL[family], 2, "float32"),
         CPU,
         warmup=1,
         steps=2,
         mem_steps=1,
         backend=SimulatedBackend(),
         planner="static",
-        modes=args.modes,
+        modes=modes,
     )
+
+
+def test_measure_point_with_overlap_forward_defers_the_joins() -> None:
+    """The suite's --overlap-forward adds the mode beside wrapped; it reaches the wrapper."""
+    args = suite.parse_args(["--overlap-forward"])
+    assert args.modes == ["plain", "wrapped", "wrapped_overlap"]
+    assert suite._settings(args)["overlap_forward"]
+    record = measure_small("fanout", args.modes)
     wrapped, overlap = record["wrapped"], record["wrapped_overlap"]
     assert overlap["active"] and overlap["stats_per_step"]["stage_calls"] == 6
     # Eager joins: one wait per stage call. Deferred: the head's stream also waits on each
@@ -625,6 +681,22 @@ def test_measure_point_with_overlap_forward_defers_the_joins() -> None:
     assert overlap["stats_per_step"]["waits"] == 6 + 4
     assert overlap["final_loss"] == record["plain"]["final_loss"] == wrapped["final_loss"]
     assert set(record["speedups"]) == {"wrapped", "wrapped_overlap"}
+
+
+def test_measure_point_with_split_times_the_weight_gradient_split_arm() -> None:
+    """--split adds wrapped_split beside wrapped: the same plan with every Linear's weight
+    gradient on the weight-gradient stream, same losses as plain on the CPU."""
+    args = suite.parse_args(["--split"])
+    assert args.modes == ["plain", "wrapped", "wrapped_split"]
+    record = measure_small("towers", args.modes)
+    wrapped, split = record["wrapped"], record["wrapped_split"]
+    layers = sum(isinstance(m, torch.nn.Linear) for m in SMALL["towers"].build().modules())
+    assert split["active"] and split["stats_per_step"]["split_layer_calls"] == layers
+    assert wrapped["stats_per_step"]["split_layer_calls"] == 0
+    assert split["stats_per_step"]["stage_calls"] == wrapped["stats_per_step"]["stage_calls"]
+    assert split["final_loss"] == record["plain"]["final_loss"] == wrapped["final_loss"]
+    row = report.modes_table([record]).splitlines()[2:][-1]
+    assert f"{layers:g} split layer calls" in row and " wrapped_split " in row
 
 
 def test_measure_point_records_the_wrappers_tuning_beside_its_own_times() -> None:
@@ -821,7 +893,12 @@ def test_a_mode_that_cannot_capture_is_failed_with_its_message_not_timed() -> No
     assert record["failed_modes"] == {"plain_graphed": error, "wrapped_graphed": error}
     assert "plain_graphed" not in record and "wrapped_graphed" not in record
     assert record["wrapped"]["active"] and record["wrapped_overlap"]["active"]
-    assert set(record["speedups"]) == {"wrapped", "wrapped_overlap", "wrapped_tuned"}
+    assert set(record["speedups"]) == {
+        "wrapped",
+        "wrapped_overlap",
+        "wrapped_tuned",
+        "wrapped_split",
+    }
     assert record["wrapped_tuned"]["tuning"] is None  # this backend cannot time steps
     assert record["graphed_speedup"] is None
     table = report.modes_table([record])
@@ -866,7 +943,7 @@ def test_plain_or_wrapped_failing_still_fails_the_point(monkeypatch: pytest.Monk
 
 def test_mode_selection_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert suite.parse_args([]).modes == ["plain", "wrapped"]
-    both = suite.parse_args(["--graphs", "--overlap-forward", "--tuned"])
+    both = suite.parse_args(["--graphs", "--overlap-forward", "--tuned", "--split"])
     assert both.modes == list(MODES)
     settings = suite._settings(both)
     assert settings["modes"] == list(MODES) and settings["overlap_forward"]
@@ -915,9 +992,8 @@ def test_the_suite_files_each_modes_outcome_under_the_point(
     monkeypatch.setattr(suite, "environment", lambda argv: dict(ENV))
     monkeypatch.setattr(suite.overhead, "measure", lambda repeats, calls: dict(HOST))
     flags = "--models towers --dtypes float32 --towers-widths 2048 --towers-batches 16,32,64"
-    args = suite.parse_args(
-        [*flags.split(), "--planner", "static", "--graphs", "--overlap-forward", "--tuned"]
-    )
+    flags += " --planner static --graphs --overlap-forward --tuned --split"
+    args = suite.parse_args(flags.split())
     data = suite.run_gpu(args, [], device=CPU)
     name = "towers K=8 W=2048 D=4 batch={} float32"
     assert [r["modes"] for r in data["results"]] == [list(MODES)] * 3
@@ -1026,3 +1102,19 @@ def test_overhead_times_forwards_while_tuning_is_pending() -> None:
     result = overhead.measure_tuning(repeats=2, warmup=1)
     assert result["plain_us_per_forward"] > 0
     assert result["untuned_us_per_forward"] > 0 and result["tuning_us_per_forward"] > 0
+
+
+# --- benchmarks/wgrad.py: the weight-gradient split's memory --------------------------------
+
+
+def test_the_split_peak_memory_stays_within_its_budget_at_the_slowest() -> None:
+    # A small transformer block, replayed with the weight-gradient stream at its slowest
+    # (it runs nothing until a stream waits on it): the lag's byte budget keeps the peak
+    # within 1 + HELD_FRACTION of plain; without the budget the same replay exceeds it.
+    from benchmarks import wgrad
+
+    result = wgrad.peak_memory(width=32, batch=2, tokens=16, heads=4)
+    bound = 1 + wgrad.HELD_FRACTION
+    assert bound == pytest.approx(1.10)
+    assert 1.0 <= result["ratio_cpu"] <= result["ratio_worst_gpu"] <= bound, result
+    assert result["ratio_unbounded_gpu"] > bound, result

@@ -207,3 +207,25 @@ def test_without_the_stack_functions_a_dispatch_mode_is_left_from_the_top(
     assert _compat.leave_dispatch_mode(mode) is True
     monkeypatch.undo()
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_live_bytes_use_the_accelerator_query_where_there_is_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[torch.device] = []
+    monkeypatch.setattr(torch.accelerator, "memory_allocated", lambda d: asked.append(d) or 7)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 99)
+    device = torch.device("cuda", 0)
+    assert _compat.device_live_bytes(device) == 7 and asked == [device]
+    assert AcceleratorBackend().live_bytes(device) == 7
+
+
+@pytest.mark.parametrize(("device", "expected"), [("cuda", 99), ("xpu", 0)])
+def test_live_bytes_without_the_accelerator_query(
+    monkeypatch: pytest.MonkeyPatch, device: str, expected: int
+) -> None:
+    # torch 2.6 to 2.8: no torch.accelerator.memory_allocated; CUDA can still be asked,
+    # other devices say 0 (the weight-gradient split then never lags).
+    monkeypatch.delattr(torch.accelerator, "memory_allocated")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 99)
+    assert _compat.device_live_bytes(torch.device(device, 0)) == expected

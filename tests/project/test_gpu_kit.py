@@ -88,9 +88,10 @@ def test_full_dry_run_keeps_a_failing_point_and_at_most_eight_files(tmp_path: Pa
         "PASS",
         "2 passed, 0 failed or errored, 0 skipped (0 for lack of CUDA), pytest exit 0",
     )
-    assert rows["(b) CUDA Stream Sanitizer"][0] == "PASS"
-    assert "2/2 broken runs flagged" in rows["(b) CUDA Stream Sanitizer"][1]
-    assert "record_stream counted as a write" in rows["(b) CUDA Stream Sanitizer"][1]
+    sanitizer = rows["(b) CUDA Stream Sanitizer"]
+    assert sanitizer[0] == "PASS"
+    assert "12/12 clean runs silent, 3/3 broken runs flagged" in sanitizer[1]
+    assert "record_stream counted as a write" in sanitizer[1]
     # The failing points fail the step, and every other point is still in the table; each
     # point is measured twice, with the learned plan and with the static one: 4 families,
     # 14 points per precision. The transformer's graphed modes fail to capture: each is
@@ -128,7 +129,7 @@ def test_quick_dry_run_passes_with_three_points_and_no_optional_step(tmp_path: P
     rows = _rows(summary)
     assert [r[0] for r in rows.values()] == ["PASS", "PASS", "PASS", "PASS", "NOT RUN"]
     assert rows["(d) other cuda tests (optional)"] == ("NOT RUN", "--quick")
-    assert "2/2 clean runs silent" in rows["(b) CUDA Stream Sanitizer"][1]
+    assert "4/4 clean runs silent" in rows["(b) CUDA Stream Sanitizer"][1]
     # Three points, each with the learned plan and with the static one, in every mode.
     assert rows["(c) benchmark suite"][1].startswith(
         "6 of 6 points measured, 0 failed, 0 modes of measured points failed"
@@ -152,6 +153,7 @@ MODES = [
     "wrapped",
     "wrapped_overlap",
     "wrapped_tuned",
+    "wrapped_split",
     "plain_graphed",
     "wrapped_graphed",
 ]
@@ -173,6 +175,9 @@ def _assert_every_mode_measured(
     assert "| 2.500x |" in row
     assert "stages on side streams inside the capture (8 stage calls forked)" in row
     assert "speedup vs plain_graphed 1.250x" in row
+    split = "| fanout N=16 W=128 D=2 [dataflow] | 256 | float32 | wrapped_split | 1.700"
+    (row,) = [line for line in summary.splitlines() if line.startswith(split)]
+    assert "8 waits / 16 record_streams; 12 split layer calls" in row
 
 
 def test_steps_without_time_left_are_not_run_not_failed(tmp_path: Path) -> None:

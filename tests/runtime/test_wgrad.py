@@ -13,6 +13,7 @@ import copy
 import io
 import pickle
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -118,16 +119,25 @@ def test_gradient_accumulation_over_three_backward_calls() -> None:
     run(MLP, torch.randn(9, 12), accumulate)
 
 
-def test_bf16_autocast() -> None:
-    def autocast_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out: torch.Tensor = model(x)
-            loss = out.float().square().mean()
-        loss.backward()
-        return out
+def autocast_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out: torch.Tensor = model(x)
+        loss = out.float().square().mean()
+    loss.backward()
+    return out
 
+
+def test_bf16_autocast() -> None:
     run(Block, torch.randn(3, 8, 16), autocast_step)
     run(ConvNet, torch.randn(4, 3, 16), autocast_step)
+
+
+def test_tied_weights_under_bf16_autocast() -> None:
+    # The embedding reads the tied weight in float32 (no autocast rule), the head in
+    # bfloat16 through its cast: two uses of one parameter, summed in float32.
+    wrapped, backend = run(Tied, torch.randint(0, 20, (4, 7)), autocast_step)
+    assert wrapped.stats.split_layer_calls == (STEPS - 1) * 2
+    assert weight_grad_stream_used(wrapped, backend)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -390,25 +400,87 @@ def test_a_checkpoint_recomputes_split_layers_as_its_forward_ran_them() -> None:
     assert wrapped.stats.split_layer_calls == 2 * (STEPS - 1) * 3  # forward and recompute
 
 
-def test_the_layer_stream_waits_on_the_weight_gradient_two_layers_back() -> None:
-    # Memory: W may lag by at most LAG split layers' dW; the events end with the backward.
-    from ooo_wrap._runtime.wgrad import LAG
+class LiveBytesBackend(SimulatedBackend):
+    """Virtual streams on a device said to hold ``live`` bytes of tensors."""
 
-    deep = lambda: nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)))  # noqa: E731
-    wrapped, backend = wrap_split(deep())
+    def __init__(self, live: int) -> None:
+        super().__init__(keep_all=True)
+        self.live = live
+
+    def live_bytes(self, device: torch.device) -> int:
+        return self.live
+
+
+def lag_waits(backend: SimulatedBackend, layers: int = 6) -> list[SimpleNamespace]:
+    """The waits of the caller's stream (the layers' stream) in the backward of one step
+    of a chain of ``layers`` ``nn.Linear(8, 8)`` at batch 3: each on the event of a dW
+    launched before (``event``), and the id of the last dW event recorded (``after``)."""
+    model = ooo_wrap.OOOModule(
+        nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers))),
+        backend=backend,
+        split_weight_grads=True,
+        tune=False,
+    )
     x = torch.randn(3, 8)
-    plain_step(wrapped, x)  # learning
+    plain_step(model, x)  # learning
     backend.clear_log()
-    plain_step(wrapped, x)
-    waits_on_w = [
-        c for c in backend.log if c.op == "wait_event" and c.stream.id == 0 and c.event is not None
+    plain_step(model, x)
+    log = backend.log
+    waits = [i for i, c in enumerate(log) if c.op == "wait_event" and c.stream.id == 0]
+    found = []
+    for i in waits:
+        event = log[i].event
+        assert event is not None and event.stream.id != 0
+        launched = [c.event for c in log[:i] if c.op == "record_event" and c.stream.id != 0]
+        assert event in launched
+        found.append(SimpleNamespace(event=event, after=launched[-1].id))
+    return found
+
+
+# Each split Linear(8, 8) layer's dW at batch 3 holds its output gradient and input:
+# 2 x 3 x 8 float32 (the first layer's input is x itself, also 96 bytes).
+HELD = 2 * 3 * 8 * 4
+
+
+def test_without_live_bytes_the_layer_stream_waits_on_each_dw_at_once() -> None:
+    # The simulated backend cannot tell live bytes: a budget of 0, so A waits on each
+    # layer's dW right after launching it (its dI, launched before, still overlaps it).
+    waits = lag_waits(SimulatedBackend(keep_all=True))
+    assert len(waits) == 6
+    assert len({c.event.id for c in waits}) == 6  # each dW once
+
+
+@pytest.mark.parametrize(
+    ("live", "expected"),
+    [(10 * HELD - 10, 6), (10 * HELD, 5), (20 * HELD, 4), (10**9, 0)],
+    ids=["under-one-layer", "one-layer", "two-layers", "huge"],
+)
+def test_the_weight_gradients_lag_within_a_tenth_of_the_live_bytes(
+    live: int, expected: int
+) -> None:
+    # The budget is HELD_FRACTION of the live bytes at the first dW: with room for k
+    # layers' held bytes, A waits once each later layer launched its dW, on the dW k
+    # layers back; with room for none, on each dW at once; on a huge device never in
+    # backward (the engine's end-of-backward wait covers the pending ones).
+    from ooo_wrap._runtime.wgrad import HELD_FRACTION
+
+    assert HELD_FRACTION == 0.10
+    waits = lag_waits(LiveBytesBackend(live))
+    assert len(waits) == expected
+    # Events are numbered per record, two per layer in backward order (A's, then W's):
+    # layer i's dW is event 2 i + 2, waited on once layer i + lag launched its dW.
+    lag = 0 if expected == 6 else 6 - expected
+    assert [(c.event.id, c.after) for c in waits] == [
+        (2 * i + 2, 2 * (i + lag) + 2) for i in range(expected)
     ]
-    assert len(waits_on_w) == 6 - LAG
-    assert all(c.event is not None and c.event.stream.id != 0 for c in waits_on_w)
+
+
+def test_a_new_backward_starts_with_no_pending_weight_gradient() -> None:
+    backend = LiveBytesBackend(10**9)
+    assert lag_waits(backend) == []
+    backend.live = 0  # the next backward measures its budget anew
     backend.clear_log()
-    plain_step(wrapped, x)  # a new backward starts with no event of the last one
-    again = [c for c in backend.log if c.op == "wait_event" and c.stream.id == 0]
-    assert len(again) == 6 - LAG
+    assert len(lag_waits(backend)) == 6
 
 
 def test_torch_compile_of_the_split_model_runs_stock_layers_without_graph_breaks() -> None:

@@ -1,7 +1,9 @@
 """Run a function on several CPU ranks (gloo), each in a fresh spawned process, bounded in time.
 
-Used by ``test_ddp.py``, ``test_fsdp.py`` and ``test_docs_snippets.py``. A hang fails the
-test after ``timeout`` seconds (every rank is killed) instead of blocking CI.
+Used by ``test_ddp.py``, ``test_fsdp.py``, the weight-gradient split's ``test_ddp_wgrad.py``
+and ``test_fsdp_wgrad.py``, and ``test_docs_snippets.py``. A hang fails the test after
+``timeout`` seconds (every rank is killed) instead of blocking CI. The ranks' training
+loop (:func:`train_history`) is shared too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ooo_wrap.testing import SimulatedBackend
 
@@ -51,6 +55,42 @@ def assert_same_tensors(
         else:
             assert x is not None and y is not None, name
         assert x is None or y is None or torch.equal(x, y), name
+
+
+def full_tensor(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A detached copy on the CPU of ``tensor`` (a sharded ``DTensor`` gathered whole)."""
+    if tensor is None:
+        return None
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().cpu().clone()
+
+
+def train_history(
+    model: nn.Module,
+    rank: int,
+    device: torch.device,
+    *,
+    steps: int,
+    features: int,
+    call: nn.Module | None = None,
+) -> list[dict[str, Any]]:
+    """``steps`` SGD steps (lr 0.1) of ``model`` through ``call`` (a wrapper around it, such
+    as ``DistributedDataParallel``; the model itself by default), each on a batch of 6 x
+    ``features`` seeded by rank and step; returns each step's gradients and then parameters
+    by name (:func:`full_tensor`)."""
+    call = model if call is None else call
+    optimizer = torch.optim.SGD(call.parameters(), lr=0.1)
+    history = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(6, features, generator=generator).to(device)
+        optimizer.zero_grad(set_to_none=True)
+        call(x).pow(2).mean().backward()
+        grads = {name: full_tensor(p.grad) for name, p in model.named_parameters()}
+        optimizer.step()
+        params = {name: full_tensor(p) for name, p in model.named_parameters()}
+        history.append({"grads": grads, "params": params})
+    return history
 
 
 def free_port() -> int:

@@ -115,10 +115,13 @@ class CUDASanitizerErrors(Exception):  # named as torch's, matched by name
 def _sanitizer(args: list[str]) -> int:
     from scripts import sanitizer_check as check
 
-    def train(case: Any, device: Any, steps: int, dtype: Any, backend: Any = None) -> str:
-        if backend is not None:  # only the broken wrapper passes its own backend
+    def train(
+        case: Any, device: Any, steps: int, dtype: Any, backend: Any = None, **options: Any
+    ) -> str:
+        if backend is not None:  # only the broken wrappers pass their own backend
             raise CUDASanitizerErrors("stand-in: CSAN detected a possible data race")
-        return f"{case.name}: {steps} steps (stand-in)"
+        split = ", with the split" if options.get("split") else ""
+        return f"{case.name}{split}: {steps} steps (stand-in)"
 
     def toy_race(device: Any) -> None:
         raise CUDASanitizerErrors("stand-in: CSAN detected a possible data race")
@@ -153,6 +156,7 @@ def _suite(args: list[str]) -> int:
         "wrapped": 1.6,
         "wrapped_overlap": 1.5,
         "wrapped_tuned": 1.6,
+        "wrapped_split": 1.7,
         "plain_graphed": 1.0,
         "wrapped_graphed": 0.8,
     }
@@ -194,6 +198,8 @@ def _suite(args: list[str]) -> int:
                 )
             elif mode.startswith("wrapped"):
                 side["stats_per_step"] = {"waits": 8, "record_streams": 16}
+                if mode == "wrapped_split":
+                    side["stats_per_step"]["split_layer_calls"] = 12
             if mode == "wrapped_tuned":
                 side["tuning"] = {
                     "decision": "static",
