@@ -560,7 +560,12 @@ def _tuning_fields(tuning: ooo_wrap.Tuning | None) -> dict[str, Any] | None:
         "speedup": tuning.speedup,
         "why": tuning.why,
         "arms": {
-            arm.name: {"median_ms": arm.median_ms, "step_ms": list(arm.step_ms)}
+            # Beside each arm's measured steps, the simulator's estimate (reference GPU).
+            arm.name: {
+                "median_ms": arm.median_ms,
+                "step_ms": list(arm.step_ms),
+                "estimate_us": arm.estimate_us,
+            }
             for arm in tuning.arms
         },
     }

@@ -324,6 +324,68 @@ def measure_tuning(repeats: int = 30, warmup: int = 3) -> dict[str, float]:
     }
 
 
+class ArmClock(NullClock):
+    """A clock under which the ``static`` arm's steps take 8 ms and every other arm's 10:
+    each mark notes the arm that ran the step it ends (read from the wrapper's state)."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+
+    def mark(self, stream: object) -> object:
+        from ooo_wrap._wrapper.registry import wrapped
+
+        tuner = wrapped[self.model].tuner if self.model is not None else None
+        return tuner.active.name if tuner is not None else "plain"
+
+    def done(self, mark: object) -> bool:
+        return True
+
+    def elapsed_ms(self, start: object, end: object) -> float:
+        return 8.0 if end == "static" else 10.0
+
+
+class ArmClockBackend(NullBackend):
+    def __init__(self) -> None:
+        self.clock = ArmClock()
+
+    def step_clock(self, device: torch.device) -> ArmClock:
+        return self.clock
+
+
+def measure_decided(repeats: int = 30, calls: int = 200) -> dict[str, Any]:
+    """Median µs per training forward of the chain once measured tuning decided: plain,
+    the model that raced its arms and kept ``static``, and the same arm pinned
+    (``tune_arm="static"``, nothing raced): once decided, only the winner's hooks remain,
+    so the last two should cost the same."""
+    plain = Chain()
+    x = torch.ones(1)
+    backend = ArmClockBackend()
+    raced = ooo_wrap.OOOModule(copy.deepcopy(plain), backend=backend, planner="static")
+    backend.clock.model = raced
+    optimizer = torch.optim.SGD(raced.parameters(), lr=0.0)
+    for _ in range(200):
+        raced(x).sum().backward()
+        optimizer.step()
+        if raced.tuning is not None and raced.tuning.decision != "pending":
+            break
+    assert raced.tuning is not None and raced.tuning.decision == "static", raced.tuning
+    pinned = ooo_wrap.OOOModule(
+        copy.deepcopy(plain), backend=NullBackend(), planner="static", tune_arm="static"
+    )
+    sides = {"plain": plain, "decided": raced, "pinned": pinned}
+    for side in sides.values():
+        _time_forwards(side, x, calls)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):  # interleaved
+        for name, side in sides.items():
+            times[name].append(_time_forwards(side, x, calls) / calls * 1e6)
+    result: dict[str, Any] = {f"{n}_us_per_forward": statistics.median(t) for n, t in times.items()}
+    result["decided_over_pinned"] = (
+        result["decided_us_per_forward"] / result["pinned_us_per_forward"]
+    )
+    return result
+
+
 def overlap_sides(plain: nn.Module) -> dict[str, nn.Module]:
     """``plain`` and two wrapped copies, eager joins and ``overlap_forward=True``, both with
     the static plan: the default ``dataflow`` planner would find these one-op stages too
@@ -468,6 +530,11 @@ def main() -> None:
         help="time forwards while measured tuning is pending against tune=False and plain",
     )
     parser.add_argument(
+        "--decided",
+        action="store_true",
+        help="time forwards once tuning decided against the same arm pinned, and plain",
+    )
+    parser.add_argument(
         "--profile-ranges", action="store_true", help="wrap with profile_ranges=True"
     )
     parser.add_argument(
@@ -490,6 +557,16 @@ def main() -> None:
             f"{tuning['plain_us_per_forward']:.1f}, wrapped tune=False "
             f"{tuning['untuned_us_per_forward']:.1f}, wrapped while tuning "
             f"{tuning['tuning_us_per_forward']:.1f} (half its steps plain, stages inline)"
+        )
+        return
+    if args.decided:
+        decided = measure_decided(args.repeats, args.calls)
+        print(f"torch {torch.__version__}, {NUM_STAGES} stages, median of {args.repeats} repeats")
+        print(
+            f"µs per forward once decided: plain {decided['plain_us_per_forward']:.1f}, "
+            f"raced and kept static {decided['decided_us_per_forward']:.1f}, static pinned "
+            f"{decided['pinned_us_per_forward']:.1f} (decided / pinned: "
+            f"{decided['decided_over_pinned']:.3f})"
         )
         return
     if args.compare_with:

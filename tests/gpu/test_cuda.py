@@ -685,6 +685,31 @@ def test_make_graphed_callables_takes_a_wrapped_model_and_runs_its_stages_on_sid
     _assert_parameters_close(plain, model, GRAPH_REPLAYS)
 
 
+def test_every_arm_trains_as_the_plain_model_on_the_gpu() -> None:
+    # Each candidate arm pinned (nothing raced): its gradients are plain's, on the GPU.
+    plain = quickstart.build_model().to(DEVICE)
+    x = quickstart.example_input(32).to(DEVICE)
+    probe = ooo_wrap.OOOModule(copy.deepcopy(plain), tune_arm="plain")
+    probe(x).pow(2).mean().backward()
+    from ooo_wrap._wrapper.registry import wrapped
+
+    names = [arm.name for arm in wrapped[probe].arms if arm.name != "plain"]
+    assert names, ooo_wrap.events_for(probe)
+    plain(x).pow(2).mean().backward()
+    for name in names:
+        model = ooo_wrap.OOOModule(copy.deepcopy(plain), tune_arm=name)
+        model.zero_grad(set_to_none=True)
+        for _ in range(2):  # the learning forward, then the arm
+            model.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+        torch.cuda.synchronize()
+        for (key, p), (_, w) in zip(
+            plain.named_parameters(), model.named_parameters(), strict=True
+        ):
+            assert p.grad is not None and w.grad is not None
+            assert _rel_err(w.grad, p.grad) <= REL_TOL, (name, key)
+
+
 def test_tuning_decides_on_the_towers_model_with_at_most_one_sync(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
