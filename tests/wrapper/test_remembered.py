@@ -137,7 +137,6 @@ def _ranks_agree(rank: int, world_size: int, cache: str) -> dict[str, Any]:
     return {"decision": model.tuning.decision, "steps": steps}
 
 
-@pytest.mark.slow
 def test_ddp_ranks_keep_rank_0s_arm_measured_and_from_a_cache_on_rank_0(tmp_path: Path) -> None:
     measured = run_ranks(_ranks_agree, str(tmp_path), timeout=300.0)  # fills rank 0's cache
     assert [r["decision"] for r in measured] == ["wgrad", "wgrad"]
