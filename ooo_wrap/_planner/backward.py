@@ -68,7 +68,9 @@ _SPLIT: dict[str, tuple[Cost, Cost]] = {
 # record_stream) come on top, priced as the simulator prices every fork.
 SPLIT_HOST_LAUNCHES = 119.0 / 46.8 * 4
 # The weight-gradient stream may lag the layer's stream by this many split layers' dW
-# before the layer's stream waits (the runtime's ``wgrad.LAG``; a test keeps them equal).
+# before the layer's stream waits. The runtime bounds the lag in bytes instead (what the
+# pending dWs hold, within ``wgrad.HELD_FRACTION`` of the live bytes); two layers is the
+# simulator's stand-in for it, since an observed forward carries no device memory figure.
 SPLIT_LAG = 2
 
 

@@ -360,9 +360,9 @@ class Tuner:
         if not self._capture_reported:  # the log keeps one event of a kind and reason
             self._capture_reported = True
             why = (
-                f"a graph capture began before tuning decided, so the graph holds the "
-                f"{self.active.name} arm; run eager training steps until model.tuning is "
-                "decided before capturing (or wrap with tune=False)"
+                f"a graph capture began before tuning decided: the graph holds the "
+                f"{self.active.name} arm, unmeasured as a graph (eager step times do not "
+                "apply to a replay); pin the arm to capture with tune_arm=..."
             )
             self.log.add(OOOEvent(EventKind.TUNED, "not_finished", why), level=logging.INFO)
 

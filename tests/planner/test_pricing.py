@@ -23,7 +23,6 @@ from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import learn, learn_plan
 from ooo_wrap._planner.observe import CallRecord, observe
 from ooo_wrap._planner.simulate import SimOp, estimate_arm, simulate, step_ops
-from ooo_wrap._runtime.wgrad import LAG
 
 WGRAD = -1  # the weight-gradient stream in step_ops
 
@@ -54,10 +53,6 @@ def test_split_backward_sums_to_the_unsplit_backward() -> None:
             # A convolution's one convolution_backward becomes two kernels.
             extra = 1.0 if name == "aten.convolution.default" and not first else 0.0
             assert di_kernels + dw_kernels == kernels + extra
-
-
-def test_the_split_lag_is_the_runtimes() -> None:
-    assert SPLIT_LAG == LAG
 
 
 def test_split_runs_each_weight_gradient_on_its_stream_after_the_output_gradient() -> None:
