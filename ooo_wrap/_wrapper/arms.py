@@ -98,7 +98,8 @@ def candidates(
 
     Args:
         stage_plans: ``(name, plan)`` of each stage plan (``regions``, ``static``), in
-            order of preference; plans with fewer than two stages are skipped.
+            order of preference; plans with no stage (``static``: fewer than two) are
+            skipped.
         split: the ``split_weight_grads`` option (``"auto"``: only with tuning, which the
             caller decides by passing ``can_split``).
         can_split: whether the model has a layer to split and the split may run.
@@ -110,7 +111,9 @@ def candidates(
     suffix = "+overlap" if overlap else ""
     found: list[Arm] = []
     for name, plan in stage_plans:
-        if len(plan.stages) < 2:
+        # A learned plan may keep one branch on a side stream (the heaviest stays on the
+        # caller's); the stage rule needs two stages to overlap anything.
+        if len(plan.stages) < (1 if name == "regions" else 2):
             continue
         if without_split:
             found.append(Arm(f"{name}{suffix}", plan, split=False, overlap=overlap))
