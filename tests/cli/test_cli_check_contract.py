@@ -26,6 +26,7 @@ DEFAULTS = {
     "example_kwargs": None,
     "gpu": None,
     "split_weight_grads": "auto",
+    "tune_arm": None,
 }
 
 
