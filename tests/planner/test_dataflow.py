@@ -342,7 +342,9 @@ def test_branches_updating_shared_running_statistics_are_one_chain() -> None:
     learned = learn_plan(model, (x,), streams=2, gpu=tiny)
     (region,) = learned.regions
     assert sorted(branch.calls for branch in region.branches) == [("a", "b"), ("c",)]
-    report = check(model, x, streams=2, steps=3, overlap_forward=True, gpu=tiny)
+    report = check(
+        model, x, streams=2, steps=3, overlap_forward=True, gpu=tiny, tune_arm="regions+overlap"
+    )
     assert report.ok, str(report)
 
 

@@ -115,8 +115,8 @@ def test_gpu_replaces_the_reference_in_checks_estimate() -> None:
     # A cheaper launch and floor: a shorter estimated step on the same ops.
     assert measured.estimate.wrapped_us < datasheet.estimate.wrapped_us
     # With the dataflow planner, the measured reference is what the wrapper learns on too.
-    learned = check(Towers(), x, gpu=MEASURED, tune_arm="regions")
-    assert learned.ok and learned.not_checked is None and learned.gpu == MEASURED, str(learned)
+    learned = check(Towers(), x, gpu=MEASURED, tune_arm="static")
+    assert learned.ok and learned.learning_step == 1 and learned.gpu == MEASURED, str(learned)
 
 
 def test_cli_passes_gpu(tmp_path: Path) -> None:

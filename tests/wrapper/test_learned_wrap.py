@@ -173,7 +173,8 @@ def test_check_learns_on_the_first_step_and_is_clean_with_bitwise_parity(case: s
     _, the_plan = learned(case)
     # The learned plan's arm (regions); a chain has none, and with the split off its
     # stage arms (if any) are checked instead, or it runs plain with nothing to race.
-    arm = "regions" if the_plan.stages else None
+    # (A learned plan of one side stage has no arm yet: see test_checker_arms.py.)
+    arm = "regions" if len(the_plan.stages) >= 2 else None
     report = check(model, *inputs, loss_fn=loss, steps=2, tune_arm=arm, split_weight_grads=False)
     assert report.ok, str(report)
     assert all(entry.max_abs_diff == 0.0 for entry in report.parity)
