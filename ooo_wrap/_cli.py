@@ -1,10 +1,11 @@
 """The command line: ``python -m ooo_wrap`` or ``ooo-wrap``.
 
 ``plan`` prints the plan table of the model a factory returns (the learned plan when
-``--input`` shapes are given: one forward runs on the CPU under observation); ``check``
-runs the CPU race check on it (``--overlap-forward``, ``--capture`` as for
-``ooo_wrap.testing.check``). Exit status: 0 ok, 1 the check found something, 2 a usage
-error (one line on stderr, never a traceback).
+``--input`` shapes are given: one forward runs on the CPU under observation) and the
+candidate arms measured tuning races; ``check`` runs the CPU race check on every arm
+(``--overlap-forward``, ``--capture``, ``--tune-arm`` as for ``ooo_wrap.testing.check``).
+Exit status: 0 ok (also for a model with no arm but plain: nothing can race), 1 the check
+found something, 2 a usage error (one line on stderr, never a traceback).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ._cli_inputs import (
 )
 from ._errors import OOOError, positive_int
 from ._planner.api import plan
+from ._wrapper.arms import raced
+from ._wrapper.options import WrapOptions
 
 __all__ = ["main"]
 
@@ -110,6 +113,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="on: check each Linear/Conv layer's weight gradient on the weight-gradient "
         "stream (OOOModule(..., split_weight_grads=True)); off: never; auto (default): as "
         "OOOModule's default, which the checker (no tuning) leaves off",
+    )
+    check_parser.add_argument(
+        "--tune-arm",
+        metavar="NAME",
+        help="check this arm only (as OOOModule(..., tune_arm=NAME) runs it; `plan` lists "
+        "them); default: every candidate arm measured tuning might keep",
     )
     check_parser.set_defaults(run=_run_check)
     return parser
@@ -214,15 +223,49 @@ def _run_plan(args: argparse.Namespace) -> int:
         )
     if learn:
         if not the_plan.stages:
-            print("note: nothing to overlap, so OOOModule(model) removes its hooks after learning")
+            print(
+                "note: no stage pays on the estimate alone (with tune=False, OOOModule(model) "
+                "removes its hooks after learning); measured tuning still races the arms below"
+            )
     elif args.planner == "dataflow":
         print(
             "note: this is the static plan; OOOModule(model) learns its plan from the first "
-            "training forward (pass --input SHAPE to see that plan here, or --planner static)"
+            "training forward (pass --input SHAPE to see that plan and its candidate arms "
+            "here, or --planner static)"
         )
+        return EXIT_OK
     elif len(the_plan.stages) < 2:
-        print("note: fewer than two stages, so OOOModule(model) leaves this model untouched")
+        print("note: fewer than two stages: nothing for stages to overlap")
+    print("\n".join(_arm_lines(args, model, inputs if learn else None)))
     return EXIT_OK
+
+
+def _arm_lines(
+    args: argparse.Namespace, model: torch.nn.Module, inputs: list[torch.Tensor] | None
+) -> list[str]:
+    """The candidate arms measured tuning races on the device, with their estimates."""
+    from .testing._arms import learn_candidates  # lazily, as check's
+
+    options = {"streams": args.streams, "stages": args.stages, "planner": args.planner}
+    found = learn_candidates(model, lambda copy: copy(*(inputs or ())), options | {"gpu": args.gpu})
+    if not found.arms:
+        return [f"Candidate arms: none: {found.setup_failed or found.runs_plain}"]
+    gpus = {arm.estimate_gpu for arm in found.arms if arm.estimate_gpu is not None}
+    limit = WrapOptions.tune_arms
+    chosen = raced(found.arms, limit)
+    lines = [
+        f"Candidate arms: plain and {len(found.arms)} more; measured tuning "
+        f"races plain and at most {limit} of them (tune_arms={limit}) on your device, and the "
+        "device decides among them (OOOModule(..., tune_arm=NAME) runs one, racing nothing)",
+        f"  {'arm':<16}{'estimated step':<18}raced by default",
+        f"  {'plain':<16}{'-':<18}yes (the model as if unwrapped)",
+    ]
+    for arm in found.arms:
+        estimate = f"{arm.estimate_us:,.1f} µs" if arm.estimate_us is not None else "not estimated"
+        lines.append(f"  {arm.name:<16}{estimate:<18}{'yes' if arm in chosen else 'no'}")
+    if gpus:
+        lines.append(f"  (estimated on {', '.join(sorted(gpus))}: estimates, not measurements)")
+    return lines
 
 
 def _run_check(args: argparse.Namespace) -> int:
@@ -250,6 +293,7 @@ def _run_check(args: argparse.Namespace) -> int:
             gpu=args.gpu,
             split_weight_grads=_SPLIT[args.split_weight_grads],
             graphed=args.graphed,
+            tune_arm=args.tune_arm,
         )
     except testing.CaptureError as error:  # the model broke a capture rule: a finding
         print(f"ooo_wrap check: FAILED under simulated graph capture: {one_line(error)}")

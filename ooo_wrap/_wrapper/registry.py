@@ -13,6 +13,7 @@ from torch import nn
 
 from .._compat import forward_hook_dicts
 from .._events import OOOEvent
+from .arms import Arm
 from .lifecycle import Phase, WrapState
 
 __all__ = [
@@ -136,3 +137,10 @@ def price_as_graph_replay(model: nn.Module) -> bool:
         return False
     learner.graphed = True
     return True
+
+
+def arms_of(model: nn.Module) -> tuple[Arm, ...]:
+    """The arms measured tuning races (or races no more) for ``model``: plain and its
+    candidates once its plan is known; empty for a model not wrapped or not yet planned."""
+    state = wrapped.get(model)
+    return () if state is None else state.arms

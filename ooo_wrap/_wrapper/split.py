@@ -1,8 +1,9 @@
 """When a wrap installs the weight-gradient split, and installing it with a plan.
 
 ``split_weight_grads=True`` puts the split in every planned forward; ``"auto"`` only where
-measured tuning races the plan against plain (so it is kept only if the plan is kept);
-``False`` never. A model with no layer to split never has it. The split's layers are
+measured tuning races the plan against plain (so it is kept only if the plan is kept), or
+where an arm is pinned (``tune_arm=``: the split arms are candidates then too); ``False``
+never. A model with no layer to split never has it. The split's layers are
 swapped with the scheduler's hooks and restored with them (``lifecycle.py``).
 """
 
@@ -52,7 +53,9 @@ def split_wanted(
     if wanted is False or not split_layers(model, options.split_weight_grads_exclude):
         return False
     device = devices(model)[0] if device is None else device
-    return wanted is True or (options.tune is not False and clock_of(backend, device) is not None)
+    if wanted is True or options.tune_arm is not None:  # a pinned arm may be a split arm
+        return True
+    return options.tune is not False and clock_of(backend, device) is not None
 
 
 def split_alone(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,23 +16,25 @@ from .._errors import OOOConfigError, positive_int
 from .._events import EventKind
 from .._plan import StepEstimate, plural
 from .._planner.api import check_graphed
-from .._planner.cost import H200, GPULike, ReferenceGPU, as_reference_gpu
+from .._planner.cost import H200, GPULike, as_reference_gpu
 from .._planner.learned_plan import learned_of
 from .._tensors import map_leaves, named_tensors
 from .._wrapper.module import OOOModule
 from .._wrapper.options import Planner, SplitWeightGrads
-from .._wrapper.registry import events_for, price_as_graph_replay, runs_plain
+from .._wrapper.registry import arms_of, events_for, price_as_graph_replay, runs_plain
+from ._arms import combined, learn_candidates, refuse_unknown_arm
 from ._detect import DetectingBackend, detect
 from ._detection import Detection
 from ._engine import CHECKED_TORCH
-from ._report import CheckReport, ParityEntry, count_ops
+from ._parity import Named, parity
+from ._report import CheckReport, count_ops
 
 __all__ = ["check"]
 
 _LR = 1e-3  # the plain SGD step both copies take, so step 2 runs on updated weights
 _SEED = 0  # both copies draw the same random numbers (dropout), without touching the caller's
 
-_Named = dict[str, torch.Tensor]
+
 _Kwargs = dict[str, Any]
 
 
@@ -51,15 +52,21 @@ def check(
     gpu: GPULike | None = None,
     split_weight_grads: SplitWeightGrads = "auto",
     graphed: bool = False,
+    tune_arm: str | None = None,
 ) -> CheckReport:
-    """Train a copy of ``model`` on virtual streams and report every stream race.
+    """Train copies of ``model`` on virtual streams, one per arm, and report every race.
 
-    A deep copy is wrapped with :class:`~ooo_wrap.OOOModule` on a simulated backend and
-    trained for ``steps`` steps (forward, loss, backward, then every ``.grad`` read on the
-    caller's stream by a plain SGD update, as an optimizer would) while every op is checked
-    for unordered cross-stream accesses and for uses without ``record_stream``. A second
-    copy trains the same steps unwrapped, and outputs and gradients are compared. The
-    caller's model, inputs and random state are left untouched. Runs on the CPU.
+    Measured tuning races candidate arms (stages on side streams, the weight-gradient
+    split, both) and keeps the fastest on the device, so every arm it might keep is
+    proved: the candidates are learned once (a copy wrapped with ``tune_arm="plain"``
+    runs the first training forward), then each arm but plain is wrapped on its own deep
+    copy pinned to it (``tune_arm=<name>``) on a simulated backend and trained for
+    ``steps`` steps (forward, loss, backward, then every ``.grad`` read on the caller's
+    stream by a plain SGD update, as an optimizer would) while every op is checked for
+    unordered cross-stream accesses and for uses without ``record_stream``. A plain copy
+    trains the same steps unwrapped, and each arm's outputs and gradients are compared
+    with it. The caller's model, inputs and random state are left untouched. Runs on the
+    CPU.
 
     Args:
         model: a CPU model, not wrapped.
@@ -86,23 +93,29 @@ def check(
         gpu: the reference GPU of the estimates (the wrapper's planner, each op's cost,
             the report's timeline): an ``ooo_wrap.ReferenceGPU`` or the path of one's
             JSON, such as the GPU kit measures; ``None`` for the H200 datasheet figures.
-        split_weight_grads: as for :class:`~ooo_wrap.OOOModule`; ``True`` checks every
-            split layer's weight gradient on the weight-gradient stream (the checker does
-            not tune, so ``"auto"``, the default, leaves it off).
+        split_weight_grads: as for :class:`~ooo_wrap.OOOModule`: ``True`` puts the split
+            in every candidate arm, ``"auto"`` (the default) adds the split arms beside the
+            others, as tuning races them, ``False`` leaves them out.
+        tune_arm: check this arm only (a name :attr:`CheckReport.arms` or
+            ``python -m ooo_wrap plan`` shows); ``None`` checks every candidate.
         graphed: price the step as a CUDA graph replay (no per-kernel launch on the host,
             event forks and joins as graph edges), for a step that will run under
             ``graphed_step``: the ``dataflow`` planner learns the plan so priced, and the
             report's estimates are. ``False``: eager launches.
 
     Returns:
-        a :class:`CheckReport`; ``report.ok`` when nothing was found and parity is bitwise.
-        Where the model runs plain, with no side stream (the wrapper fell back, e.g. for
-        fewer than two stages, or the ``dataflow`` planner learned ``no_parallelism`` and
-        removed its hooks), there is nothing to check: ``report.ok`` is false and
-        ``report.not_checked`` says why.
+        a :class:`CheckReport`; ``report.arms`` names the arms proved (one verdict line
+        each in ``str(report)``), ``report.ok`` when no arm has a finding and each is
+        bitwise equal to the plain run. A model with no arm but plain (no two stages can
+        overlap and no layer splits, or the wrapper fell back, e.g. for fewer than two
+        stages) runs nothing on a side stream, so nothing can race: ``report.ok`` holds,
+        ``report.arms`` is empty and ``report.runs_plain`` says why. Where an arm ran only
+        the step that learned its plan (``steps=1``), ``report.not_checked`` says so and
+        ``report.ok`` is false.
 
     Raises:
-        OOOConfigError: ``model`` is already wrapped, ``steps`` is not a positive int
+        OOOConfigError: ``model`` is already wrapped, ``tune_arm`` names no arm of it
+            that runs on side streams, ``steps`` is not a positive int
             (or below 2 with ``capture`` and the ``dataflow`` planner), or the output
             has no floating-point tensor that requires grad (pass ``loss_fn``), or
             ``gpu`` is neither a ``ReferenceGPU`` nor a readable path to one's JSON;
@@ -129,31 +142,80 @@ def check(
             "learned on an eager first step, and only a later step can be captured"
         )
     measured = as_reference_gpu(gpu)
-    backend = DetectingBackend()
     kwargs = dict(example_kwargs or {})
     model = _materialized(model, inputs, kwargs)
-    wrapped = OOOModule(
-        copy.deepcopy(model),
-        streams,
-        stages=stages,
-        backend=backend,
-        planner=planner,
-        overlap_forward=overlap_forward,
-        gpu=measured,
-        split_weight_grads=split_weight_grads,
+    options: _Kwargs = {
+        "streams": streams,
+        "stages": stages,
+        "planner": planner,
+        "overlap_forward": overlap_forward,
+        "gpu": measured,
+        "split_weight_grads": split_weight_grads,
+    }
+    if tune_arm is None:
+        found = learn_candidates(
+            model, functools.partial(_forward, inputs=(inputs, kwargs)), options, graphed
+        )
+        if not found.names:
+            return CheckReport(
+                (),
+                (),
+                (),
+                (),
+                (),
+                (),
+                steps,
+                not_checked=found.setup_failed,
+                runs_plain=found.runs_plain,
+                gpu=measured or H200,
+            )
+        names = found.names
+    else:
+        names = (tune_arm,)
+    plain: list[tuple[Named, Named]] = []
+
+    def reference() -> list[tuple[Named, Named]]:
+        """The plain copy's run, trained once (after the first arm's, as a model that
+        makes its own streams expects): every arm is compared with it."""
+        if not plain:
+            plain.extend(
+                _train(copy.deepcopy(model), _fresh((inputs, kwargs)), loss_fn, steps, None)
+            )
+        return plain
+
+    run = functools.partial(
+        _check_arm, model, (inputs, kwargs), loss_fn, steps, options, reference, capture, graphed
     )
+    return combined([(name, run(name)) for name in names])
+
+
+def _check_arm(
+    model: nn.Module,
+    inputs: tuple[tuple[Any, ...], _Kwargs],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    steps: int,
+    options: _Kwargs,
+    reference: Callable[[], list[tuple[Named, Named]]],
+    capture: bool,
+    graphed: bool,
+    arm: str,
+) -> CheckReport:
+    """Train a copy pinned to ``arm`` under the detector; its report against ``reference``."""
+    backend = DetectingBackend()
+    wrapped = OOOModule(copy.deepcopy(model), backend=backend, tune_arm=arm, **options)
     if graphed:
         price_as_graph_replay(wrapped)
-    plain = copy.deepcopy(model)
-    wrapped_inputs, plain_inputs = _fresh((inputs, kwargs)), _fresh((inputs, kwargs))
+    refuse_unknown_arm(wrapped, arm)
+    measured = options["gpu"]
+    fresh = _fresh(inputs)  # before detecting: copying them is no op of the step
     with detect(backend, keep_alive=[wrapped], gpu=measured or H200) as found:
         handles = _label_stages(wrapped, found)
         try:
-            checked = _train(wrapped, wrapped_inputs, loss_fn, steps, found, capture=capture)
+            checked = _train(wrapped, fresh, loss_fn, steps, found, capture=capture)
         finally:
             for handle in handles:
                 handle.remove()
-    reference = _train(plain, plain_inputs, loss_fn, steps, None)
+    refuse_unknown_arm(wrapped, arm)  # a learned plan's arms are known after step 1
     # After training, so that what happened in the steps (a stage never called) is there.
     notes = tuple(str(event) for event in events_for(wrapped))
     version_note = torch_version_note()
@@ -163,33 +225,45 @@ def check(
     if mismatch_note is not None:
         notes += (mismatch_note,)
     records = found.ops
+    learning = options["planner"] == "dataflow"
     return CheckReport(
         races=found.races,
         allocator_hazards=found.allocator_hazards,
-        parity=_parity(checked, reference),
+        parity=parity(checked, reference()),
         ops=count_ops(records),
         trace=records,
         notes=notes,
         steps=steps,
         captured=capture,
-        overlap_forward=overlap_forward,
+        overlap_forward=options["overlap_forward"],
         gpu=measured or H200,
-        learning_step=1 if planner == "dataflow" else None,
-        plan_estimate=_plan_estimate(wrapped, measured or H200, split_weight_grads, graphed),
+        learning_step=1 if learning else None,
+        not_checked=_not_checked(wrapped, learned_on_last_step=learning and steps == 1),
+        arms=(arm,),
+        plan_estimate=_arm_estimate(wrapped, arm, graphed),
         graphed=graphed,
-        split=split_weight_grads is True,
-        not_checked=_not_checked(
-            wrapped, learned_on_last_step=planner == "dataflow" and steps == 1
-        ),
+        split=any(a.split for a in arms_of(wrapped) if a.name == arm),
     )
 
 
-def _plan_estimate(
-    wrapped: nn.Module, gpu: ReferenceGPU, split: SplitWeightGrads, graphed: bool
-) -> StepEstimate | None:
-    """The checked plan's one estimate, as its table's (``None``: learned from no forward)."""
-    learned = learned_of(wrapped.plan) if isinstance(wrapped, OOOModule) else None
-    return None if learned is None else learned.arm(gpu, split=split is True, graphed=graphed)
+def _forward(model: nn.Module, *, inputs: tuple[tuple[Any, ...], _Kwargs]) -> None:
+    """One forward of ``model``, as the first training step runs it."""
+    args, kwargs = _fresh(inputs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED)
+        model(*args, **kwargs)
+
+
+def _arm_estimate(wrapped: nn.Module, arm: str, graphed: bool) -> StepEstimate | None:
+    """The checked arm's one estimate, as ``model.tuning`` and ``plan`` show it (``None``:
+    no observed forward to price it from, as with the static planner)."""
+    arms = {a.name: a for a in arms_of(wrapped)}
+    mine, plain = arms.get(arm), arms.get("plain")
+    if mine is None or plain is None or None in (mine.estimate_us, plain.estimate_us):
+        return None
+    assert mine.estimate_us is not None and plain.estimate_us is not None
+    gpu = mine.estimate_gpu or ""
+    return StepEstimate(mine.estimate_us, plain.estimate_us, gpu, graphed=graphed, split=mine.split)
 
 
 def torch_version_note(version: str | None = None) -> str | None:
@@ -267,7 +341,7 @@ def _train(
     found: Detection | None,
     *,
     capture: bool = False,
-) -> list[tuple[_Named, _Named]]:
+) -> list[tuple[Named, Named]]:
     """Run the steps; per step, the outputs and gradients by name (detached). With
     ``capture`` (and ``found``), the last step runs under a simulated graph capture."""
     results = []
@@ -376,40 +450,3 @@ def _push(found: Detection, name: str, module: nn.Module, args: Any) -> None:
 
 def _pop(found: Detection, module: nn.Module, args: Any, output: Any) -> None:
     found._pop_stage()
-
-
-def _parity(
-    checked: list[tuple[_Named, _Named]], reference: list[tuple[_Named, _Named]]
-) -> tuple[ParityEntry, ...]:
-    worst: dict[str, float] = {}
-    for (out_a, grad_a), (out_b, grad_b) in zip(checked, reference, strict=True):
-        for a_side, b_side in ((out_a, out_b), (grad_a, grad_b)):
-            for name in dict.fromkeys([*a_side, *b_side]):
-                diff = _max_abs_diff(a_side.get(name), b_side.get(name))
-                worst[name] = max(worst.get(name, 0.0), diff)
-    return tuple(ParityEntry(name, diff) for name, diff in worst.items())
-
-
-def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
-    if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
-        return math.inf
-    if a.layout != b.layout:
-        return math.inf
-    if a.layout != torch.strided:
-        # Sparse gradients (nn.Embedding(sparse=True)): most comparisons below have no
-        # sparse kernel, and two equal sparse tensors may hold their entries in another
-        # order or uncoalesced, so compare the values they stand for.
-        a, b = a.to_dense(), b.to_dense()
-    if a.numel() == 0:
-        return 0.0
-    if not (a.is_floating_point() or a.is_complex()):
-        return 0.0 if torch.equal(a, b) else math.inf
-    wide = torch.complex128 if a.is_complex() else torch.float64
-    a64, b64 = a.detach().to(wide), b.detach().to(wide)
-    a_nan, b_nan = torch.isnan(a64), torch.isnan(b64)
-    if not torch.equal(a_nan, b_nan):
-        return math.inf
-    same = (a64 == b64) | a_nan  # equal values, equal infinities, NaN in both
-    if bool(same.all()):
-        return 0.0
-    return float((a64 - b64).abs().masked_fill(same, 0.0).max())

@@ -86,6 +86,15 @@ class CheckReport:
             or ``None`` for a plan learned from no forward (the ``static`` planner).
         graphed: the estimates are priced as a CUDA graph replay (``check(graphed=True)``).
         split: the weight-gradient split was in force (``split_weight_grads=True``).
+        arms: the names of the arms proved (``("static", "wgrad", ...)``), each trained on
+            its own copy pinned to it (``tune_arm=``); ``()`` when none was.
+        by_arm: with several arms, each arm's own report, in :attr:`arms` order; ``()``
+            for a report of one arm. ``races``, ``allocator_hazards`` and ``parity`` then
+            cover every arm (parity: the largest difference of any arm); ``ops``,
+            ``trace``, :attr:`estimate` and the saved trace and timeline are those of
+            :attr:`shown_arm`.
+        runs_plain: why the model runs plain with no candidate arm (nothing runs on a side
+            stream, so nothing can race: the report is ``ok``); ``None`` otherwise.
 
     Example::
 
@@ -111,37 +120,70 @@ class CheckReport:
     plan_estimate: StepEstimate | None = None
     graphed: bool = False
     split: bool = False
+    arms: tuple[str, ...] = ()
+    by_arm: tuple[CheckReport, ...] = ()
+    runs_plain: str | None = None
 
     @property
     def ok(self) -> bool:
-        """Something was checked, with no race, no allocator hazard, and bitwise parity
-        with the plain run."""
+        """Every arm was checked, with no race, no allocator hazard, and bitwise parity
+        with the plain run; or the model runs plain, with no arm to check."""
         return (
             self.not_checked is None
             and not self.races
             and not self.allocator_hazards
             and all(entry.exact for entry in self.parity)
+            and all(report.ok for report in self.by_arm)
         )
 
+    @property
+    def shown_arm(self) -> str | None:
+        """The arm whose ops, trace and timeline the report shows: the first that is not
+        ok, else the first (the simulator's best estimate)."""
+        parts = self._parts()
+        return next((name for name, part in parts if not part.ok), parts[0][0])
+
+    def _parts(self) -> tuple[tuple[str | None, CheckReport], ...]:
+        """``(arm, its report)`` for each arm; a report of one arm is its own part."""
+        if self.by_arm:
+            return tuple(zip(self.arms, self.by_arm, strict=True))
+        return ((self.arms[0] if self.arms else None, self),)
+
+    def arm_report(self, name: str) -> CheckReport:
+        """The report of the arm ``name`` (one of :attr:`arms`)."""
+        found = dict(self._parts())
+        if name not in found:
+            raise OOOError(f"no arm {name!r} in this report; its arms are {', '.join(self.arms)}")
+        return found[name]
+
+    def _shown(self) -> CheckReport:
+        return dict(self._parts())[self.shown_arm]
+
     def __str__(self) -> str:
-        if self.not_checked is not None:
-            return f"ooo_wrap check: NOT CHECKED: {self.not_checked}"
+        if self.runs_plain is not None:
+            return f"ooo_wrap check: OK: {self.runs_plain}"
+        parts = self._parts()
+        if all(part.not_checked is not None for _, part in parts):
+            reasons = dict.fromkeys(str(part.not_checked) for _, part in parts)
+            return f"ooo_wrap check: NOT CHECKED: {'; '.join(reasons)}"
         verdict = "OK" if self.ok else "FAILED"
+        several = f"{plural(len(self.arms), 'arm')}, " if self.by_arm else ""
         lines = [
-            f"ooo_wrap check: {verdict} ({plural(self.steps, 'step')}"
+            f"ooo_wrap check: {verdict} ({several}{plural(self.steps, 'step')}"
+            f"{' each' if several else ''}"
             f"{', the last one under simulated graph capture' if self.captured else ''}"
             f"{', forward joins deferred' if self.overlap_forward else ''}; "
-            f"{plural(len(self.races), 'race')}, "
-            f"{plural(len(self.allocator_hazards), 'allocator hazard')}, "
-            f"{plural(sum(not p.exact for p in self.parity), 'parity mismatch', 'es')})"
+            f"{_counts(self)})"
         ]
+        lines += [f"  arm {name}: {_verdict(part)}" for name, part in parts if name is not None]
         lines += [f"  note: {note}" for note in self.notes]
+        shown = f" (arm {self.shown_arm})" if self.by_arm else ""
         if self.ops:
-            lines.append("  ops per stream   forward  backward  step")
+            lines.append(f"  ops per stream{shown}   forward  backward  step")
             for row in self.ops:
                 lines.append(f"    {row.stream:<13}{row.forward:>8}{row.backward:>10}{row.step:>6}")
         if self.plan_estimate is not None:
-            lines.append(f"  {self.plan_estimate} (the plan's estimate, as its table shows it)")
+            lines.append(f"  {self.plan_estimate}{shown} (as model.tuning and plan show it)")
         if self.trace:
             timeline = self.timeline_estimate
             if self.plan_estimate is None:
@@ -153,28 +195,15 @@ class CheckReport:
                     f"{timeline.wrapped_us:.1f} µs vs {timeline.one_stream_us:.1f} µs, "
                     f"{timeline.speedup:.2f}x)"
                 )
-        for race in self.races:
-            lines.append(f"  race: {race}")
-        for hazard in self.allocator_hazards:
-            lines.append(f"  allocator hazard: {hazard}")
-        if any(_escaped(hazard) for hazard in self.allocator_hazards):
-            lines.append(
-                "  hint: code outside the stages used a tensor a stage made on its side "
-                "stream that did not come back as the stage's return value (stored in "
-                "another module's attribute, a global, a container the stage filled?): "
-                "the hooks record_stream only what a stage returns and tensors in its "
-                "own attributes; return it from the stage's forward()"
-            )
-        for entry in self.parity:
-            if not entry.exact:
-                lines.append(f"  parity: {entry.name} differs by {entry.max_abs_diff:g}")
+        for name, part in parts:
+            lines += _findings(part, f" [arm {name}]" if self.by_arm else "")
         return "\n".join(lines)
 
     @property
     def estimate(self) -> StepEstimate:
-        """The one estimate of the checked plan: :attr:`plan_estimate`, the figure its
-        table shows, where the plan was learned from a forward; else
-        :attr:`timeline_estimate`."""
+        """The one estimate of the checked arm (:attr:`shown_arm`): :attr:`plan_estimate`,
+        the figure ``model.tuning`` and ``plan`` show, where the plan was learned from a
+        forward; else :attr:`timeline_estimate`."""
         return self.plan_estimate if self.plan_estimate is not None else self.timeline_estimate
 
     @property
@@ -211,8 +240,9 @@ class CheckReport:
         stream), stream, phase and number.
         """
         timeline = lay_out(self.trace, gpu=self.gpu, graphed=self.graphed)
+        events = trace_events(timeline, self._shown())  # the findings of the arm shown
         with open(path, "w", encoding="utf-8") as file:
-            json.dump({"traceEvents": trace_events(timeline, self), "displayTimeUnit": "ns"}, file)
+            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, file)
 
     def save_timeline(self, path: str | os.PathLike[str]) -> None:
         """Draw the estimated timeline of every step checked, as SVG or PNG.
@@ -246,6 +276,41 @@ class CheckReport:
         timeline = lay_out(self.trace, gpu=self.gpu, graphed=self.graphed)
         subtitle = str(self.timeline_estimate)
         save_picture(timeline, path, learning_step=self.learning_step, subtitle=subtitle)
+
+
+def _counts(report: CheckReport) -> str:
+    return (
+        f"{plural(len(report.races), 'race')}, "
+        f"{plural(len(report.allocator_hazards), 'allocator hazard')}, "
+        f"{plural(sum(not p.exact for p in report.parity), 'parity mismatch', 'es')}"
+    )
+
+
+def _verdict(report: CheckReport) -> str:
+    """One arm's verdict, on one line."""
+    if report.not_checked is not None:
+        return f"NOT CHECKED: {report.not_checked}"
+    return f"{'OK' if report.ok else 'FAILED'} ({_counts(report)})"
+
+
+def _findings(report: CheckReport, arm: str) -> list[str]:
+    """One line per finding of one arm's ``report`` (``arm``: its tag, or empty)."""
+    lines = [f"  race{arm}: {race}" for race in report.races]
+    lines += [f"  allocator hazard{arm}: {hazard}" for hazard in report.allocator_hazards]
+    if any(_escaped(hazard) for hazard in report.allocator_hazards):
+        lines.append(
+            "  hint: code outside the stages used a tensor a stage made on its side "
+            "stream that did not come back as the stage's return value (stored in "
+            "another module's attribute, a global, a container the stage filled?): "
+            "the hooks record_stream only what a stage returns and tensors in its "
+            "own attributes; return it from the stage's forward()"
+        )
+    lines += [
+        f"  parity{arm}: {entry.name} differs by {entry.max_abs_diff:g}"
+        for entry in report.parity
+        if not entry.exact
+    ]
+    return lines
 
 
 def trace_events(timeline: Timeline, report: CheckReport) -> list[dict[str, object]]:

@@ -49,6 +49,7 @@ def test_a_captured_step_of_towers_runs_on_side_streams(overlap_forward: bool) -
         Towers(),
         torch.randn(4, 8),
         planner="static",
+        tune_arm="static+overlap" if overlap_forward else "static",
         capture=True,
         overlap_forward=overlap_forward,
     )

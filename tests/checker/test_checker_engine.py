@@ -44,7 +44,13 @@ def test_one_gradient_handed_to_two_consumers_is_no_race(swap: bool) -> None:
     torch.manual_seed(0)
     stages = ["branches.0", "branches.1"]
     report = check(
-        Fuse(swap), torch.randn(4, 8), streams=2, stages=stages, steps=1, planner="static"
+        Fuse(swap),
+        torch.randn(4, 8),
+        streams=2,
+        stages=stages,
+        steps=1,
+        planner="static",
+        tune_arm="static",
     )
     assert report.ok, str(report)
     rows = {row.stream: row for row in report.ops}
@@ -67,7 +73,9 @@ class HookedOutput(nn.Module):
 
 
 def test_a_tensor_hook_on_a_stage_output_runs_on_the_consuming_nodes_stream() -> None:
-    report = check(HookedOutput(), torch.randn(4, 8), streams=2, planner="static")
+    report = check(
+        HookedOutput(), torch.randn(4, 8), streams=2, planner="static", tune_arm="static"
+    )
     assert report.ok, str(report)
     hooked = [r for r in report.trace if r.phase == "backward" and r.op == "aten.mul.Tensor"]
     assert {(r.stream, r.stage) for r in hooked} == {("side1", "a")}

@@ -63,7 +63,7 @@ class Chain(nn.Module):
 
 
 def _check_chain() -> CheckReport:
-    return check(Chain(), torch.randn(4, 8), planner="static")
+    return check(Chain(), torch.randn(4, 8), planner="static", tune_arm="static")
 
 
 def test_the_intact_protocol_passes() -> None:
@@ -139,7 +139,7 @@ def test_without_the_root_and_ambient_joins_the_loss_reads_unfinished_stages(
 ) -> None:
     _remove(monkeypatch, "_root_post_hook", "wait_event")
     _remove(monkeypatch, "_stage_post_hook", "wait_event")
-    report = check(Towers(), torch.randn(4, 8), planner="static")
+    report = check(Towers(), torch.randn(4, 8), planner="static", tune_arm="static")
     later = {(r.later.stream, r.later.phase) for r in report.races if r.kind is RAW}
     assert ("default", "forward") in later, str(report)
 
@@ -198,7 +198,7 @@ def own_stream_backends(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("own_stream_backends")
 def test_the_root_join_orders_stages_run_under_a_models_own_stream() -> None:
-    assert check(OwnStream(), torch.randn(4, 8), planner="static").ok
+    assert check(OwnStream(), torch.randn(4, 8), planner="static", tune_arm="static").ok
 
 
 @pytest.mark.usefixtures("own_stream_backends")
@@ -206,7 +206,7 @@ def test_without_the_root_join_a_models_own_stream_leaves_a_stage_unordered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _remove(monkeypatch, "_root_post_hook", "wait_event")
-    report = check(OwnStream(), torch.randn(4, 8), planner="static")
+    report = check(OwnStream(), torch.randn(4, 8), planner="static", tune_arm="static")
     assert any(
         r.kind is RAW
         and (r.earlier.stream, r.earlier.stage) == ("side1", "a")

@@ -22,6 +22,7 @@ from ooo_wrap.testing import (
     check,
 )
 from ooo_wrap.testing import _check as check_module
+from ooo_wrap.testing._parity import max_abs_diff
 from tests.support.reference import FREE_FORK
 
 
@@ -36,7 +37,7 @@ class Towers(nn.Module):
 
 
 def test_a_correct_model_gets_an_ok_report() -> None:
-    report = check(Towers(), torch.randn(3, 6), planner="static")
+    report = check(Towers(), torch.randn(3, 6), planner="static", tune_arm="static")
     assert report.ok
     report.raise_if_failed()
     names = {entry.name for entry in report.parity}
@@ -94,11 +95,11 @@ def _racy_report() -> CheckReport:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(check_module, "DetectingBackend", NoJoin)
-        return check(Chain(), torch.randn(2, 4), planner="static")
+        return check(Chain(), torch.randn(2, 4), planner="static", tune_arm="static")
 
 
 def test_save_trace_writes_one_track_per_stream_in_stream_order(tmp_path: Path) -> None:
-    report = check(Towers(), torch.randn(3, 6), planner="static")
+    report = check(Towers(), torch.randn(3, 6), planner="static", tune_arm="static")
     path = tmp_path / "trace.json"
     report.save_trace(path)
     trace = json.loads(path.read_text())
@@ -120,11 +121,11 @@ def test_parity_entries_flag_differences() -> None:
     assert ParityEntry("output", 0.0).exact
     assert not ParityEntry("output", 1e-7).exact
     a = torch.tensor([1.0, float("nan"), 3.0])
-    assert check_module._max_abs_diff(a, a.clone()) == 0.0
-    assert check_module._max_abs_diff(a, torch.tensor([1.0, float("nan"), 3.5])) == 0.5
-    assert check_module._max_abs_diff(a, torch.tensor([1.0, 2.0, 3.0])) == math.inf
-    assert check_module._max_abs_diff(a, None) == math.inf
-    assert check_module._max_abs_diff(a, a.double()) == math.inf
+    assert max_abs_diff(a, a.clone()) == 0.0
+    assert max_abs_diff(a, torch.tensor([1.0, float("nan"), 3.5])) == 0.5
+    assert max_abs_diff(a, torch.tensor([1.0, 2.0, 3.0])) == math.inf
+    assert max_abs_diff(a, None) == math.inf
+    assert max_abs_diff(a, a.double()) == math.inf
 
 
 class SparseTowers(nn.Module):
@@ -155,9 +156,9 @@ def test_sparse_parity_compares_values_and_layout() -> None:
     uncoalesced = torch.sparse_coo_tensor(
         [[1, 0, 1], [0, 1, 0]], [1.5, 1.0, 0.5], (2, 2), check_invariants=True
     )
-    assert check_module._max_abs_diff(sparse, uncoalesced) == 0.0  # same values
-    assert check_module._max_abs_diff(sparse, (dense * 2).to_sparse()) == 2.0
-    assert check_module._max_abs_diff(sparse, dense) == math.inf  # another layout
+    assert max_abs_diff(sparse, uncoalesced) == 0.0  # same values
+    assert max_abs_diff(sparse, (dense * 2).to_sparse()) == 2.0
+    assert max_abs_diff(sparse, dense) == math.inf  # another layout
 
 
 class Masked(nn.Module):
@@ -202,26 +203,33 @@ def test_check_rejects_bad_arguments() -> None:
 
 
 @pytest.mark.parametrize(
-    ("planner", "reason"), [("static", "too_few_stages"), ("dataflow", "no_parallelism")]
+    ("planner", "reason"), [("static", "too_few_stages: "), ("dataflow", "no candidate arm: ")]
 )
-def test_a_model_that_runs_plain_is_not_reported_ok_and_says_why(
-    planner: Planner, reason: str
-) -> None:
-    # Falling back at wrap time and learning that nothing overlaps both leave the model
-    # running plain, with no side stream: nothing was checked, and the report says so alike.
+def test_a_model_with_no_arm_but_plain_is_ok_and_says_why(planner: Planner, reason: str) -> None:
+    # Falling back at wrap time and having no candidate arm both leave the model running
+    # plain, with no side stream: nothing can race, so the report is ok and says why.
     chain = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
     model = nn.Sequential(nn.Linear(6, 6)) if planner == "static" else chain
-    report = check(model, torch.randn(2, 6), planner=planner)
-    assert not report.ok
-    assert report.not_checked is not None
-    assert report.not_checked.startswith(f"the model runs plain ({reason}: ")
-    assert "so no side stream ran and nothing was checked" in report.not_checked
-    assert ("planner='static'" in report.not_checked) == (reason == "no_parallelism")
+    report = check(model, torch.randn(2, 6), planner=planner, split_weight_grads=False)
+    assert report.ok and report.not_checked is None and report.arms == ()
+    assert report.runs_plain is not None
+    assert report.runs_plain.startswith(f"the model runs plain ({reason}")
+    assert report.runs_plain.endswith(
+        "so nothing runs on a side stream and nothing can race: no arm to check"
+    )
+    assert str(report) == f"ooo_wrap check: OK: {report.runs_plain}"
+    report.raise_if_failed()
+    assert report.races == report.allocator_hazards == report.ops == ()
+
+
+def test_a_model_checked_only_on_its_learning_step_is_not_ok() -> None:
+    chain = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    report = check(chain, torch.randn(2, 6), steps=1)
+    assert report.arms == ("wgrad",) and report.not_checked is not None and not report.ok
     assert str(report) == f"ooo_wrap check: NOT CHECKED: {report.not_checked}"
+    assert "pass steps >= 2" in report.not_checked
     with pytest.raises(CheckFailed, match="NOT CHECKED"):
         report.raise_if_failed()
-    assert [row.stream for row in report.ops] == ["default"]
-    assert any(reason in note for note in report.notes)
 
 
 def test_a_wrapped_model_is_checked() -> None:
@@ -231,19 +239,29 @@ def test_a_wrapped_model_is_checked() -> None:
 
 
 def test_the_verdict_counts_in_the_singular_and_plural() -> None:
-    report = check(Towers(), torch.randn(3, 6), steps=1, planner="static")
+    report = check(Towers(), torch.randn(3, 6), steps=1, planner="static", tune_arm="static")
     assert str(report).splitlines()[0] == (
         "ooo_wrap check: OK (1 step; 0 races, 0 allocator hazards, 0 parity mismatches)"
     )
 
 
 def test_the_verdict_says_the_forward_joins_were_deferred() -> None:
-    plain = check(Towers(), torch.randn(3, 6), planner="static")
+    plain = check(Towers(), torch.randn(3, 6), planner="static", tune_arm="static")
     assert not plain.overlap_forward and "deferred" not in str(plain)
-    report = check(Towers(), torch.randn(3, 6), planner="static", overlap_forward=True)
+    arm = "static+overlap"
+    report = check(
+        Towers(), torch.randn(3, 6), planner="static", overlap_forward=True, tune_arm=arm
+    )
     assert report.ok and report.overlap_forward, str(report)
     assert str(report).startswith("ooo_wrap check: OK (2 steps, forward joins deferred; 0 races")
-    both = check(Towers(), torch.randn(3, 6), planner="static", overlap_forward=True, capture=True)
+    both = check(
+        Towers(),
+        torch.randn(3, 6),
+        planner="static",
+        overlap_forward=True,
+        capture=True,
+        tune_arm=arm,
+    )
     assert str(both).startswith(
         "ooo_wrap check: OK (2 steps, the last one under simulated graph capture, "
         "forward joins deferred; 0 races"

@@ -58,7 +58,9 @@ def _overlaps(events: list[dict[str, Any]], phase: str) -> list[tuple[str, str]]
 
 
 def test_independent_towers_run_their_backward_concurrently(tmp_path: Path) -> None:
-    report = check(Towers(), torch.randn(BATCH, DIM), streams=2, steps=1, planner="static")
+    report = check(
+        Towers(), torch.randn(BATCH, DIM), streams=2, steps=1, planner="static", tune_arm="static"
+    )
     assert report.ok, report
     events = _saved(report, tmp_path)
     assert ("mm.default", "mm.default") in _overlaps(events, "backward")
@@ -68,7 +70,9 @@ def test_independent_towers_run_their_backward_concurrently(tmp_path: Path) -> N
 
 
 def test_a_chain_never_runs_two_streams_at_once(tmp_path: Path) -> None:
-    report = check(Chain(), torch.randn(BATCH, DIM), streams=2, steps=1, planner="static")
+    report = check(
+        Chain(), torch.randn(BATCH, DIM), streams=2, steps=1, planner="static", tune_arm="static"
+    )
     assert report.ok, report
     events = _saved(report, tmp_path)
     tracks = {e["tid"] for e in events if e["ph"] == "X" and e["cat"] == "backward"}
@@ -79,7 +83,9 @@ def test_a_chain_never_runs_two_streams_at_once(tmp_path: Path) -> None:
 
 
 def test_waits_are_arrows_from_the_op_waited_for(tmp_path: Path) -> None:
-    report = check(Towers(), torch.randn(BATCH, DIM), streams=2, steps=1, planner="static")
+    report = check(
+        Towers(), torch.randn(BATCH, DIM), streams=2, steps=1, planner="static", tune_arm="static"
+    )
     events = _saved(report, tmp_path)
     slices = {e["args"]["seq"]: e for e in events if e["ph"] == "X"}
     starts = {e["id"]: e for e in events if e["ph"] == "s" and e["cat"] == "wait"}
@@ -121,7 +127,7 @@ def test_races_are_marked_and_joined_by_an_arrow(tmp_path: Path) -> None:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(check_module, "DetectingBackend", NoJoin)
-        report = check(_Small(), torch.randn(2, 4), planner="static")
+        report = check(_Small(), torch.randn(2, 4), planner="static", tune_arm="static")
     assert report.races
     events = _saved(report, tmp_path)
     marks = [e for e in events if e["ph"] == "i" and e["name"].startswith("race: ")]
@@ -142,7 +148,7 @@ def test_allocator_hazards_are_marked(tmp_path: Path) -> None:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(check_module, "DetectingBackend", NoRecord)
-        report = check(_Small(), torch.randn(2, 4), planner="static")
+        report = check(_Small(), torch.randn(2, 4), planner="static", tune_arm="static")
     assert report.allocator_hazards
     marks = [e for e in _saved(report, tmp_path) if e["name"] == "allocator hazard"]
     assert len(marks) == len(report.allocator_hazards)

@@ -225,7 +225,12 @@ def test_without_the_catch_up_wait_the_weight_gradient_stream_lags(
     assert unfinished_dw_behind_the_layers(report)
 
 
-def test_the_split_off_checks_what_it_did_before() -> None:
+def test_a_chain_proves_the_split_alone_unless_the_split_is_off() -> None:
+    # The tuner may keep the split alone on a chain ("auto"), so check() proves it; with
+    # the split off the chain has no arm but plain, and nothing can race.
     torch.manual_seed(0)
-    report = check(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(2, 4))
-    assert report.not_checked is not None and "no_parallelism" in report.not_checked
+    chain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    report = check(chain, torch.randn(2, 4))
+    assert report.ok and report.arms == ("wgrad",), str(report)
+    off = check(chain, torch.randn(2, 4), split_weight_grads=False)
+    assert off.ok and off.arms == () and off.runs_plain is not None

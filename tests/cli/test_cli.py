@@ -36,14 +36,38 @@ from tests.support.cli_helpers import PROG, ROOT, doc_commands, run_cli
 def test_plan_prints_the_plan_table(argv: list[str], expected: Any) -> None:
     result = run_cli("plan", *argv, "--planner", "static")
     assert (result.status, result.err) == (0, "")
-    assert result.out == f"{expected()}\n"
+    assert result.out.startswith(f"{expected()}\nCandidate arms: plain and ")
 
 
-def test_plan_notes_a_model_that_would_be_left_untouched() -> None:
+def test_plan_lists_the_candidate_arms_and_says_the_device_decides() -> None:
+    result = run_cli("plan", "examples.quickstart:build_model", "--planner", "static")
+    assert (result.status, result.err) == (0, "")
+    lines = result.out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Candidate arms: "))
+    assert "the device decides among them" in lines[start]
+    assert lines[start + 1].split() == ["arm", "estimated", "step", "raced", "by", "default"]
+    rows = {line.split()[0]: line for line in lines[start + 2 :]}
+    assert set(rows) == {"plain", "static", "wgrad", "static+wgrad"}
+    assert all("not estimated" in rows[name] for name in ("wgrad", "static+wgrad"))
+
+
+def test_plan_lists_the_learned_arms_with_their_estimates() -> None:
+    argv = ["examples.quickstart:build_model", "--input", "64x64"]
+    result = run_cli("plan", *argv)
+    assert (result.status, result.err) == (0, "")
+    rows = result.out.split("\nCandidate arms: ", 1)[1].splitlines()[2:]
+    estimated = [row.split()[0] for row in rows if " µs " in row]
+    assert "regions" in estimated  # the learned plan's estimate
+    assert rows[-1].startswith("  (estimated on NVIDIA H200 SXM")
+
+
+def test_plan_notes_a_model_with_too_few_stages() -> None:
     result = run_cli("plan", "tests.support.cli_factories:single_stage", "--planner", "static")
     assert result.status == 0
     assert result.out.startswith("Plan: 1 stage on 1 side stream (")
-    assert result.out.splitlines()[-1].startswith("note: fewer than two stages")
+    assert "note: fewer than two stages: nothing for stages to overlap" in result.out
+    # The split alone is still a candidate: the device decides whether it pays.
+    assert result.out.splitlines()[-1].split()[:4] == ["wgrad", "not", "estimated", "yes"]
 
 
 def test_a_wrapped_model_is_planned_with_the_command_options() -> None:
@@ -245,7 +269,7 @@ def test_python_dash_m_in_a_subprocess() -> None:
     command += ["--planner", "static"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (0, "")
-    assert done.stdout == f"{ooo_wrap.plan(quickstart.build_model())}\n"
+    assert done.stdout.startswith(f"{ooo_wrap.plan(quickstart.build_model())}\nCandidate arms: ")
     command = [sys.executable, "-m", "ooo_wrap", "plan", "no_such_module:build"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""

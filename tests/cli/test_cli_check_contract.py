@@ -27,6 +27,7 @@ DEFAULTS = {
     "gpu": None,
     "split_weight_grads": "auto",
     "graphed": False,
+    "tune_arm": None,
 }
 
 

@@ -269,11 +269,16 @@ def test_tied_embeddings_across_two_stages_pass_the_race_check() -> None:
     # its gradient is accumulated from both, which the checker models as the engine does.
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
     report = ooo_wrap.testing.check(
-        tiny_gpt2(), x, loss_fn=lambda out: out.logits.square().mean(), streams=2, planner="static"
+        tiny_gpt2(),
+        x,
+        loss_fn=lambda out: out.logits.square().mean(),
+        streams=2,
+        planner="static",
+        tune_arm="static",  # the stage arm: the split has its own checks
     )
     assert report.ok, str(report)
     assert report.notes == (
-        "enabled/simulated: 2 stages on 2 side streams (cpu, simulated backend); not tuned: "
-        "the planner's choice runs, nothing is measured",
+        "tuned/pinned: the static arm was pinned (tune_arm='static'): nothing was raced",
+        "enabled/simulated: 2 stages on 2 side streams (cpu, simulated backend)",
     )
     assert ooo_wrap.plan(tiny_gpt2(), 2).stages[1].name == "lm_head"

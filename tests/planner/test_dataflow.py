@@ -327,7 +327,7 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     learned.to_plan(model)  # valid: known, disjoint names
     # The wrapper learns the same plan on the first step (same near-free fork), then the
     # learned stages run on their learned streams in the next two.
-    report = check(model, *args, streams=4, steps=3, gpu=tiny)
+    report = check(model, *args, streams=4, steps=3, gpu=tiny, tune_arm="regions")
     assert report.ok, str(report)
     side = {row.stream for row in report.ops if row.forward and row.stream != "default"}
     assert len(side) == len(set(learned.stage_streams.values()))
@@ -342,7 +342,9 @@ def test_branches_updating_shared_running_statistics_are_one_chain() -> None:
     learned = learn_plan(model, (x,), streams=2, gpu=tiny)
     (region,) = learned.regions
     assert sorted(branch.calls for branch in region.branches) == [("a", "b"), ("c",)]
-    report = check(model, x, streams=2, steps=3, overlap_forward=True, gpu=tiny)
+    report = check(
+        model, x, streams=2, steps=3, overlap_forward=True, gpu=tiny, tune_arm="regions+overlap"
+    )
     assert report.ok, str(report)
 
 

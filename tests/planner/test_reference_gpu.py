@@ -108,16 +108,15 @@ def test_gpu_flips_the_wrappers_decision_and_survives_copies() -> None:
 
 def test_gpu_replaces_the_reference_in_checks_estimate() -> None:
     x = torch.randn(8, 16)
-    datasheet = check(Towers(), x, planner="static")
-    measured = check(Towers(), x, planner="static", gpu=MEASURED)
+    datasheet = check(Towers(), x, planner="static", tune_arm="static")
+    measured = check(Towers(), x, planner="static", gpu=MEASURED, tune_arm="static")
     assert datasheet.gpu == H200 and measured.gpu == MEASURED
     assert measured.estimate.gpu == "measured stand-in" and H200.name in str(datasheet)
     # A cheaper launch and floor: a shorter estimated step on the same ops.
     assert measured.estimate.wrapped_us < datasheet.estimate.wrapped_us
     # With the dataflow planner, the measured reference is what the wrapper learns on too.
-    assert check(Towers(), x).not_checked is not None  # no_parallelism on the datasheet
-    learned = check(Towers(), x, gpu=MEASURED)
-    assert learned.ok and learned.not_checked is None, str(learned)
+    learned = check(Towers(), x, gpu=MEASURED, tune_arm="static")
+    assert learned.ok and learned.learning_step == 1 and learned.gpu == MEASURED, str(learned)
 
 
 def test_cli_passes_gpu(tmp_path: Path) -> None:

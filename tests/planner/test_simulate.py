@@ -139,7 +139,7 @@ def test_no_learned_plan_with_side_streams_is_slower_by_check(
     learned = learn_plan(model, (x,))
     assert learned.estimate is not None and learned.estimate.speedup >= 1.0
     if learned.stages:
-        report = check(model, x)
+        report = check(model, x, tune_arm="regions")
         assert report.ok and report.estimate.speedup >= 1.0, report.estimate
 
 
@@ -172,7 +172,7 @@ def test_plan_and_check_report_one_estimate_type() -> None:
     learned = ooo_wrap.plan(model, example_inputs=(x,))
     assert isinstance(learned.estimate, StepEstimate)
     assert ooo_wrap.plan(model).estimate is None  # a static plan is never estimated
-    report = check(model, x, planner="static")
+    report = check(model, x, planner="static", tune_arm="static")
     assert isinstance(report.estimate, StepEstimate)
     for text in (str(learned), str(report)):
         assert f"an estimate on {H200.name}" in text
@@ -184,7 +184,7 @@ def test_the_plan_estimate_agrees_with_the_checkers_for_the_same_plan() -> None:
     x = torch.randn(512, 1024)
     learned = learn_plan(model, (x,))
     assert learned.stages and learned.estimate is not None
-    report = check(model, x)
+    report = check(model, x, tune_arm="regions")  # the learned plan's arm
     assert report.ok
     # The simulator's modelled backward against the backward the checker recorded.
     planned, checked = learned.estimate, report.timeline_estimate

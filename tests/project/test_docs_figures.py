@@ -66,7 +66,14 @@ def test_the_planner_page_shows_what_plan_prints_for_the_quickstart_model() -> N
     command = figure(PLANNER, r"\(The second command is `python -m ooo_wrap (plan [^`]+)`").group(1)
     result = run_cli(*command.split())
     assert (result.status, result.err) == (0, "")
-    printed, doc_lines = result.out.splitlines(), shown.splitlines()
+    # The plan as plan() prints it, then the candidate arms, which the doc quotes in words.
+    plan_text, arms_text = result.out.split("\nCandidate arms: ", 1)
+    estimates = dict(re.findall(r"^  (\S+) +([0-9.,]+ µs) ", arms_text, re.M))
+    quoted = figure(
+        PLANNER, r"candidate arms measured tuning races,\nwith these estimates: ([^;]+);"
+    )
+    assert quoted.group(1) == ", ".join(f"`{arm}` {us}" for arm, us in estimates.items())
+    printed, doc_lines = plan_text.splitlines(), shown.splitlines()
     differences = [
         f"docs/planner.md, the example's line {number}: the doc shows {a!r}, "
         f"`python -m ooo_wrap {command}` gives {b!r}"

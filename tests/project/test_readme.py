@@ -139,7 +139,7 @@ class Three(nn.Module):
 def test_the_plan_and_the_check_report_name_streams_alike() -> None:
     model = Three()
     planned = {stage.stream_name for stage in ooo_wrap.plan(model, streams=2).stages}
-    report = check(model, torch.randn(2, 4), streams=2, planner="static")
+    report = check(model, torch.randn(2, 4), streams=2, planner="static", tune_arm="static")
     assert report.ok, str(report)
     assert planned == {"side1", "side2"}
     assert {row.stream for row in report.ops} - {"default"} == planned

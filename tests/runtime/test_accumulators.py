@@ -205,7 +205,7 @@ def test_check_runs_its_last_step_with_the_previous_loss_alive() -> None:
         outputs.append(weakref.ref(output))
 
     model.register_forward_hook(note)  # deep-copied with the model: both copies note
-    report = check(model, two_tower_input(), stages=STAGES, steps=3)
+    report = check(model, two_tower_input(), stages=STAGES, steps=3, tune_arm="regions")
     assert report.ok, str(report)
     # The wrapped copy's three steps, then the plain copy's: only the last keeps the
     # previous step's graph; the others start from a dropped graph.
@@ -215,7 +215,7 @@ def test_check_runs_its_last_step_with_the_previous_loss_alive() -> None:
 
 def test_check_finds_no_accumulator_left_on_the_learning_steps_stream() -> None:
     # steps=2: the planned step runs while the learning step's graph is still alive.
-    report = check(make_two_towers(), two_tower_input(), stages=STAGES, steps=2)
+    report = check(make_two_towers(), two_tower_input(), stages=STAGES, steps=2, tune_arm="regions")
     assert report.ok, str(report)
     assert not [note for note in report.notes if "AccumulateGrad" in note], report.notes
 

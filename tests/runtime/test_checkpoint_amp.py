@@ -193,7 +193,7 @@ def test_checkpointed_model_passes_the_race_check(where: str, use_reentrant: boo
     # The recomputation runs in backward: every op of it must still be ordered on the
     # virtual streams (vector clocks), with record_stream where tensors cross streams.
     model = Net(where, use_reentrant)
-    report = check(model, torch.randn(5, 12), streams=2, planner="static")
+    report = check(model, torch.randn(5, 12), streams=2, planner="static", tune_arm="static")
     assert report.ok, str(report)
     # After each backward the caller's stream is current again: the SGD step (one add_
     # per parameter) runs there, and nothing after backward is labelled backward.
@@ -209,7 +209,7 @@ def test_checkpointed_model_passes_the_race_check(where: str, use_reentrant: boo
 
 def test_autocast_model_passes_the_race_check() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        report = check(Mixed(), torch.randn(5, 12), streams=2, planner="static")
+        report = check(Mixed(), torch.randn(5, 12), streams=2, planner="static", tune_arm="static")
     assert report.ok, str(report)
 
 
@@ -260,7 +260,8 @@ class TiedAcrossStages(nn.Module):
 def test_autocast_weight_tied_across_stages_passes_the_race_check() -> None:
     # Without care the copy cast in stage a (on its stream) is read by stage b on another
     # stream, and freed into a's pool while b's backward may still read it.
-    report = check(TiedAcrossStages(), torch.randn(5, 12), streams=2, planner="static")
+    x = torch.randn(5, 12)
+    report = check(TiedAcrossStages(), x, streams=2, planner="static", tune_arm="static")
     assert report.ok, str(report)
 
 
@@ -339,6 +340,7 @@ def _check_branches(
         planner=planner,  # type: ignore[arg-type]
         overlap_forward=overlap_forward,
         gpu=FREE_FORK,
+        split_weight_grads=False,  # the stage arms: the split has its own checks
     )
 
 
@@ -482,7 +484,12 @@ def test_without_recording_the_returned_gradient_the_check_finds_the_hazard(
     monkeypatch.setattr(scheduler_module, "record_leaf_grads", lambda *args: None)
     torch.manual_seed(0)
     report = check(
-        StemAndTowers(), torch.randn(4, 8), stages=["left", "right"], planner="static", steps=2
+        StemAndTowers(),
+        torch.randn(4, 8),
+        stages=["left", "right"],
+        planner="static",
+        steps=2,
+        tune_arm="static",
     )
     assert [str(h.access) for h in report.allocator_hazards] == [
         "read by aten.add.Tensor on default (backward) of float32[4, 8]"

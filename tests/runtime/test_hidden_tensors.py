@@ -258,7 +258,8 @@ def test_without_recording_the_kept_result_the_check_finds_the_hazard(
 
     monkeypatch.setattr(scheduler_module, "_list_attributes", nothing)
     torch.manual_seed(0)
-    report = check(Escape(), torch.randn(4, 8), stages=["left", "right"], planner="static")
+    x = torch.randn(4, 8)
+    report = check(Escape(), x, stages=["left", "right"], planner="static", tune_arm="static")
     assert [str(h.access) for h in report.allocator_hazards] == [
         "read by aten.add.Tensor on default (forward) of float32[4, 8]"
     ], str(report)

@@ -89,13 +89,20 @@ def test_without_overlap_the_first_tower_is_joined_before_the_second_forks() -> 
 
 
 def test_the_trace_shows_the_towers_forward_concurrent() -> None:
-    report = check(om.TowersSum(), om.inputs(), overlap_forward=True, steps=1, planner="static")
+    report = check(
+        om.TowersSum(),
+        om.inputs(),
+        overlap_forward=True,
+        steps=1,
+        planner="static",
+        tune_arm="static+overlap",
+    )
     forward = [r for r in report.trace if r.phase == "forward" and r.stage is not None]
     by_stage = {r.stage: dict(r.clock) for r in forward if r.op == "aten.addmm.default"}
     first, second = by_stage["towers.0"], by_stage["towers.1"]
     # Neither op happens before the other: each saw only part of the other's stream.
     assert first.get(2, 0) < second[2] and second.get(1, 0) < first[1]
-    plain = check(om.TowersSum(), om.inputs(), steps=1, planner="static")
+    plain = check(om.TowersSum(), om.inputs(), steps=1, planner="static", tune_arm="static")
     rows = [r for r in plain.trace if r.op == "aten.addmm.default" and r.phase == "forward"]
     plain_clocks = {r.stage: dict(r.clock) for r in rows}
     assert plain_clocks["towers.1"].get(1, 0) >= plain_clocks["towers.0"][1]
