@@ -16,8 +16,6 @@ import ooo_wrap
 from tests.support.distributed import assert_same_tensors, rank_device, run_ranks
 from tests.support.wgrad_models import MLP
 
-pytestmark = pytest.mark.slow  # subprocesses
-
 STEPS = 4  # the learning step, then three with the split
 
 

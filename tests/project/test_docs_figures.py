@@ -115,7 +115,6 @@ def test_a_learned_no_parallelism_chain_makes_the_backend_calls_the_doc_says() -
     assert f"{result['backend_calls_per_forward']:.0f}" == shown
 
 
-@pytest.mark.slow
 def test_the_host_overhead_command_prints_the_rows_the_doc_shows(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -132,7 +131,6 @@ def test_the_host_overhead_command_prints_the_rows_the_doc_shows(
     assert "backend calls per stage call:" in out and "backend calls per forward: 0" in out
 
 
-@pytest.mark.slow
 def test_the_overlap_forward_command_prints_the_rows_the_doc_shows(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -153,7 +151,6 @@ def test_the_overlap_forward_command_prints_the_rows_the_doc_shows(
 # --- docs/integrations.md: profile ranges ---------------------------------------------------
 
 
-@pytest.mark.slow
 def test_the_profile_ranges_command_still_runs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -217,7 +214,6 @@ def gpu_kit_step(step: str) -> dict[str, str]:
     return row
 
 
-@pytest.mark.slow
 def test_the_gpu_kit_counts_the_cuda_tests_it_runs() -> None:
     shown = re.match(r"(\d+) tests \(", gpu_kit_step("a")["sizes"])
     assert shown, gpu_kit_step("a")["sizes"]
@@ -277,7 +273,6 @@ def test_the_gpu_kit_states_the_occupancy_models_gemm_overlap() -> None:
     assert computed == {shown}, f"docs/gpu-kit.md: shows {shown}x, the cost model gives {computed}"
 
 
-@pytest.mark.slow
 def test_the_gpu_kit_states_the_fanout_familys_estimated_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
