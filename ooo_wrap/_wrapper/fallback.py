@@ -121,26 +121,21 @@ def _too_few_stages(model: nn.Module, the_plan: Plan) -> None:
     )
 
 
-_warned_cpu_with_accelerator = False
-
-
 def _device_fallback(model: nn.Module, reason: str, options: WrapOptions) -> None:
-    """Fall back for the device; warn (once per process) about the natural mistake of
-    wrapping on the CPU and moving the model to the accelerator afterwards."""
-    global _warned_cpu_with_accelerator
+    """Fall back for the device; warn about the natural mistake of wrapping on the CPU and
+    moving the model to the accelerator afterwards. Every time: Python's warnings registry
+    shows it once per calling line under the default filter, and the user's filters rule."""
     record_fallback(model, reason)
     accelerator = (
         torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     )
     if reason != Reason.CPU or options.backend is not None or accelerator is None:
         return
-    if not _warned_cpu_with_accelerator:
-        _warned_cpu_with_accelerator = True
-        warn_user(
-            f"ooo_wrap: the model is on the CPU but a {accelerator.type} accelerator is "
-            "available, so OOOModule left it untouched (moving it afterwards does not wrap "
-            f"it); move it first, then wrap: OOOModule(model.to({accelerator.type!r}), ...)"
-        )
+    warn_user(
+        f"ooo_wrap: the model is on the CPU but a {accelerator.type} accelerator is "
+        "available, so OOOModule left it untouched (moving it afterwards does not wrap "
+        f"it); move it first, then wrap: OOOModule(model.to({accelerator.type!r}), ...)"
+    )
 
 
 def refuse_nested(model: nn.Module) -> None:

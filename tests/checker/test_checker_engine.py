@@ -238,7 +238,6 @@ _THREADS_AT_EXIT = """
 """
 
 
-@pytest.mark.slow
 def test_threads_started_inside_detect_let_the_process_exit_cleanly() -> None:
     # Not deterministic on its own (the abort came in about a third of such runs): two
     # processes at once, each exiting right after 32 threads that entered the mode, half

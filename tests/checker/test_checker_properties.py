@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,8 +24,6 @@ from torch.utils.checkpoint import checkpoint
 import ooo_wrap
 from ooo_wrap.testing import CheckReport, check
 from tests.support.reference import FREE_FORK
-
-pytestmark = pytest.mark.slow  # subprocesses or many random models
 
 WIDTH = 8
 BLOCKS = ("linear", "mlp", "kwargs", "checkpoint")

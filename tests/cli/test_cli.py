@@ -239,7 +239,6 @@ def test_the_current_directory_is_importable_in_process(
     assert sys.path == path_before  # added for the import only
 
 
-@pytest.mark.slow
 def test_the_console_script_finds_modules_in_the_current_directory(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -262,7 +261,6 @@ def test_the_console_script_finds_modules_in_the_current_directory(
     assert done.stderr == "ooo-wrap: error: 'models_in_cwd_b' has no attribute 'nope'\n"
 
 
-@pytest.mark.slow
 def test_python_dash_m_in_a_subprocess() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "ooo_wrap", "plan", "examples.quickstart:build_model"]

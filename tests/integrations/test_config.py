@@ -6,41 +6,38 @@ import warnings
 from typing import Any
 
 import pytest
+from torch import nn
 
 import ooo_wrap
-import ooo_wrap._wrapper.module
 from ooo_wrap import EventKind, OOOConfigError, OOOModule
 from ooo_wrap.testing import SimulatedBackend
 from tests.support.models import Towers, TwoTowers, hook_snapshot, make_two_towers, two_tower_input
 
 
-@pytest.fixture
-def simulated_default_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the default backend a simulated one, as if this CPU had streams."""
-    monkeypatch.setattr(ooo_wrap._wrapper.module, "AcceleratorBackend", SimulatedBackend)
+def simulated(model: nn.Module, config: dict[Any, Any]) -> nn.Module:
+    """``from_config`` with a simulated backend, as if this CPU had streams."""
+    return ooo_wrap.from_config(model, config, backend=SimulatedBackend())
 
 
 @pytest.mark.parametrize(
     "config",
     [{}, {"ooo_backprop": False}, {"ooo_backprop": False, "ooo_streams": 2}, {"lr": 0.1}],
 )
-@pytest.mark.usefixtures("simulated_default_backend")
 def test_off_by_default_returns_the_model_untouched(config: dict[str, Any]) -> None:
     model = make_two_towers()
     hooks = hook_snapshot(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ooo_wrap.from_config(model, config) is model
+        assert simulated(model, config) is model
     assert type(model) is TwoTowers
     assert hook_snapshot(model) == hooks
     assert ooo_wrap.events_for(model) == ()
 
 
-@pytest.mark.usefixtures("simulated_default_backend")
 def test_on_wraps_with_the_configured_streams() -> None:
     model = Towers(n=3)
     config = {"ooo_backprop": True, "ooo_streams": 2, "ooo_planner": "static", "lr": 3e-4}
-    result = ooo_wrap.from_config(model, config)
+    result = simulated(model, config)
     assert result is model
     assert isinstance(model, OOOModule)
     assert model.plan.max_streams == 2
@@ -49,10 +46,9 @@ def test_on_wraps_with_the_configured_streams() -> None:
     assert model.events[-1].kind is EventKind.ENABLED
 
 
-@pytest.mark.usefixtures("simulated_default_backend")
 def test_on_defaults_to_four_streams() -> None:
     model = Towers(n=5)
-    ooo_wrap.from_config(model, {"ooo_backprop": True, "ooo_planner": "static"})
+    simulated(model, {"ooo_backprop": True, "ooo_planner": "static"})
     assert model.plan.max_streams == 4
     assert model.plan.num_streams == 4
     model(two_tower_input(dim=6))
@@ -67,12 +63,11 @@ def test_on_for_a_cpu_model_falls_back_with_the_reason() -> None:
     assert (event.kind, event.reason) == (EventKind.DISABLED, "cpu")
 
 
-@pytest.mark.usefixtures("simulated_default_backend")
 def test_compile_wins_with_a_warning() -> None:
     model = make_two_towers()
     hooks = hook_snapshot(model)
     with pytest.warns(UserWarning, match="compile"):
-        result = ooo_wrap.from_config(model, {"ooo_backprop": True, "compile": True})
+        result = simulated(model, {"ooo_backprop": True, "compile": True})
     assert result is model
     assert type(model) is TwoTowers
     assert hook_snapshot(model) == hooks
@@ -126,25 +121,23 @@ def test_unknown_ooo_key_is_an_error_even_when_off() -> None:
         ({"ooo_backprop": True, "ooo_planner": None}, "None"),
     ],
 )
-@pytest.mark.usefixtures("simulated_default_backend")
 def test_wrong_types_are_errors_naming_the_value(config: dict[str, Any], offender: str) -> None:
     model = make_two_towers()
     with pytest.raises(OOOConfigError) as info:
-        ooo_wrap.from_config(model, config)
+        simulated(model, config)
     assert f"got {offender}" in str(info.value)
     assert type(model) is TwoTowers
 
 
-@pytest.mark.usefixtures("simulated_default_backend")
 def test_the_planner_is_dataflow_unless_the_config_says_static() -> None:
-    learning = ooo_wrap.from_config(Towers(n=3), {"ooo_backprop": True})
+    learning = simulated(Towers(n=3), {"ooo_backprop": True})
     assert isinstance(learning, OOOModule) and learning.plan.pending
-    static = ooo_wrap.from_config(Towers(n=3), {"ooo_backprop": True, "ooo_planner": "static"})
+    static = simulated(Towers(n=3), {"ooo_backprop": True, "ooo_planner": "static"})
     assert isinstance(static, OOOModule) and static.plan.source == "automatic"
 
 
 def test_a_backend_is_passed_as_a_keyword() -> None:
-    # No monkeypatched default here: the backend given is the one used.
+    # The backend given is the one used.
     backend = SimulatedBackend(keep_all=True)
     config = {"ooo_backprop": True, "ooo_planner": "static"}
     model = ooo_wrap.from_config(Towers(n=3), config, backend=backend)
@@ -164,7 +157,6 @@ def test_config_must_be_a_mapping() -> None:
         ooo_wrap.from_config(make_two_towers(), [("ooo_backprop", True)])  # type: ignore[arg-type]
 
 
-@pytest.mark.usefixtures("simulated_default_backend")
 def test_unrelated_keys_are_ignored() -> None:
     model = make_two_towers()
     config = {
@@ -175,5 +167,5 @@ def test_unrelated_keys_are_ignored() -> None:
         "backprop": "whatever",
         3: "non-string key",
     }
-    assert ooo_wrap.from_config(model, config) is model
+    assert simulated(model, config) is model
     assert isinstance(model, OOOModule)

@@ -17,8 +17,6 @@ import ooo_wrap
 from ooo_wrap.testing import SimulatedBackend
 from tests.support.distributed import assert_same_tensors, rank_device, run_ranks
 
-pytestmark = pytest.mark.slow  # subprocesses or many random models
-
 STEPS = 3
 
 # mode -> (DDP keyword arguments, whether the ``extra`` stage runs at a step)

@@ -21,8 +21,6 @@ from tests.support.distributed import (
 )
 from tests.support.wgrad_models import MLP
 
-pytestmark = pytest.mark.slow  # subprocesses
-
 STEPS = 4  # the learning step, then three with the split
 
 

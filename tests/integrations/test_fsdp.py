@@ -28,7 +28,6 @@ from tests.support.distributed import (
 )
 
 pytestmark = [
-    pytest.mark.slow,  # subprocesses
     pytest.mark.skipif(not FSDP2_RUNS_ON_CPU, reason=FSDP2_SKIP_REASON),
 ]
 

@@ -24,7 +24,6 @@ from tests.support.distributed import (
 from tests.support.wgrad_models import MLP
 
 pytestmark = [
-    pytest.mark.slow,  # subprocesses
     pytest.mark.skipif(not FSDP2_RUNS_ON_CPU, reason=FSDP2_SKIP_REASON),
 ]
 

@@ -85,6 +85,21 @@ def test_all_hidden_at_once_still_imports_wraps_and_trains() -> None:
     assert "disabled/unsupported_torch" in result["events"]
 
 
+def test_the_names_of_features_hidden_together_leave_streams_and_the_checker_on() -> None:
+    # What the one-at-a-time runs (-m slow) show name by name, for every name that only
+    # turns its own feature off, in one process: each warned about once, nothing else off.
+    features = [path for path in PATHS if path not in PLAIN and path not in CHECKER]
+    result = _run(features)
+    warned = result["warnings"]
+    assert isinstance(warned, list)
+    assert sorted(path for path in features for m in warned if f" {path}," in m) == sorted(
+        features
+    ), warned
+    assert len(warned) == len(features), warned
+    assert "disabled/unsupported_torch" not in result["events"]
+    assert result["check"] == "ok"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_each_name_hidden_leaves_one_warning_naming_it(path: str) -> None:

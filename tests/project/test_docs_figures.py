@@ -122,7 +122,6 @@ def test_a_learned_no_parallelism_chain_makes_the_backend_calls_the_doc_says() -
     assert f"{result['backend_calls_per_forward']:.0f}" == shown
 
 
-@pytest.mark.slow
 def test_the_host_overhead_command_prints_the_rows_the_doc_shows(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -139,7 +138,6 @@ def test_the_host_overhead_command_prints_the_rows_the_doc_shows(
     assert "backend calls per stage call:" in out and "backend calls per forward: 0" in out
 
 
-@pytest.mark.slow
 def test_the_overlap_forward_command_prints_the_rows_the_doc_shows(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -160,7 +158,6 @@ def test_the_overlap_forward_command_prints_the_rows_the_doc_shows(
 # --- docs/integrations.md: profile ranges ---------------------------------------------------
 
 
-@pytest.mark.slow
 def test_the_profile_ranges_command_still_runs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -224,7 +221,6 @@ def gpu_kit_step(step: str) -> dict[str, str]:
     return row
 
 
-@pytest.mark.slow
 def test_the_gpu_kit_counts_the_cuda_tests_it_runs() -> None:
     shown = re.match(r"(\d+) tests \(", gpu_kit_step("a")["sizes"])
     assert shown, gpu_kit_step("a")["sizes"]
@@ -284,7 +280,6 @@ def test_the_gpu_kit_states_the_occupancy_models_gemm_overlap() -> None:
     assert computed == {shown}, f"docs/gpu-kit.md: shows {shown}x, the cost model gives {computed}"
 
 
-@pytest.mark.slow
 def test_the_gpu_kit_states_the_fanout_familys_estimated_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

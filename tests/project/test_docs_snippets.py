@@ -179,7 +179,6 @@ def distributed_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[s
     return results
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, c in _all_snippets() if _is_distributed(c)])
 def test_distributed_snippet_runs_on_two_ranks(
     name: str, distributed_results: list[dict[str, str | None]]

@@ -21,8 +21,6 @@ import torch
 import ooo_wrap
 from scripts import gpu_kit
 
-pytestmark = pytest.mark.slow  # subprocesses or many random models
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 MAX_FILES = 8  # what comes back from the GPU machine's $OUT

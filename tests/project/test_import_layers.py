@@ -13,8 +13,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "ooo_wrap"
 
 
@@ -105,7 +103,6 @@ def test_the_check_finds_a_cycle_and_skips_type_checking_imports() -> None:
     assert "ooo_wrap.testing" in graph["ooo_wrap._cli"]  # a function-level import counts
 
 
-@pytest.mark.slow
 def test_importing_the_package_imports_every_module_once() -> None:
     code = (
         "import sys, ooo_wrap\nprint(sorted(m for m in sys.modules if m.startswith('ooo_wrap')))\n"

@@ -198,11 +198,10 @@ def accelerator_available(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend a CUDA accelerator is there (the model itself stays on the CPU)."""
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
-    monkeypatch.setattr(ooo_wrap._wrapper.fallback, "_warned_cpu_with_accelerator", False)
 
 
 @pytest.mark.usefixtures("accelerator_available")
-def test_wrapping_on_the_cpu_next_to_an_accelerator_warns_once_naming_the_fix() -> None:
+def test_wrapping_on_the_cpu_next_to_an_accelerator_warns_naming_the_fix() -> None:
     model = Towers()
     with pytest.warns(UserWarning, match=r"move it first, then wrap") as caught:
         assert OOOModule(model, streams=2, planner="static") is model
@@ -211,9 +210,23 @@ def test_wrapping_on_the_cpu_next_to_an_accelerator_warns_once_naming_the_fix() 
     assert "OOOModule(model.to('cuda'), ...)" in str(warning.message)
     assert warning.filename == __file__  # attributed to the caller's line
     assert only_event(model).reason == "cpu"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        OOOModule(Towers(), planner="static")  # once: the second model falls back quietly
+
+
+@pytest.mark.usefixtures("accelerator_available")
+def test_the_cpu_warning_follows_the_warnings_filters() -> None:
+    """Python's own once-per-line registry, not a flag of the library: under the default
+    filter a loop that wraps many models warns once; under "always" every wrap warns."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            OOOModule(Towers(), planner="static")
+    assert [str(w.message).count("move it first") for w in caught] == [1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            OOOModule(Towers(), planner="static")
+    assert len(caught) == 2
+    assert all(w.filename == __file__ for w in caught)
 
 
 @pytest.mark.usefixtures("accelerator_available")
@@ -230,7 +243,6 @@ def test_wrapping_on_the_cpu_without_an_accelerator_stays_quiet(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
-    monkeypatch.setattr(ooo_wrap._wrapper.fallback, "_warned_cpu_with_accelerator", False)
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="ooo_wrap"):
         warnings.simplefilter("error")
         OOOModule(Towers(), planner="static")

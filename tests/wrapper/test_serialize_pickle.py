@@ -236,7 +236,6 @@ print([e.reason for e in model.events])
 """
 
 
-@pytest.mark.slow
 def test_torch_save_loads_in_a_fresh_process(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
