@@ -143,7 +143,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # Gradient accumulator look-ups (``_runtime/accumulators.py``).
     PrivateName("torch.utils._python_dispatch._disable_current_modes", _NO_RELEASE),
     PrivateName("torch._C.DisableTorchFunction", _NO_RELEASE),
-    PrivateName("torch._C._are_functorch_transforms_active", _NO_RELEASE),
+    PrivateName(
+        "torch._C._are_functorch_transforms_active",
+        f"{_NO_RELEASE}; the weight-gradient split steps aside at every layer call",
+    ),
     PrivateName("torch._C._functions.AccumulateGrad._input_metadata", _NO_RELEASE),
     # The tensor under a functorch wrapper.
     PrivateName("torch._C._functorch.is_functorch_wrapped_tensor", _NO_UNWRAP),
@@ -576,7 +579,10 @@ def modes_set_aside() -> Iterator[None]:
 def functorch_transforms_active() -> bool:
     """Whether a functorch transform (``vmap``, ``torch.func.grad``) is running on this
     thread: ``torch._C._are_functorch_transforms_active`` (private; no public query)."""
-    return bool(private("torch._C._are_functorch_transforms_active")())
+    query = private("torch._C._are_functorch_transforms_active")
+    # Unknown without it: say "active", so that what steps aside under a transform (the
+    # weight-gradient split) does; the accumulators ask accumulator_lookups_work() first.
+    return True if query is None else bool(query())
 
 
 # --- the thread's function mode stack, below its top -----------------------------------

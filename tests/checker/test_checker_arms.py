@@ -113,12 +113,6 @@ def test_the_static_planner_with_one_stage_still_proves_the_split() -> None:
     assert report.ok and report.arms == ("wgrad",), str(report)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the candidates skip stage plans of fewer than two stages, so a learned plan "
-    "whose heaviest branch stays on the caller's stream (one side stage) has no arm",
-)
 def test_a_learned_plan_with_one_side_stage_is_an_arm() -> None:
     # The wrapper with tune=False runs this plan (right on a side stream, left on the
     # caller's); the tuner might keep it too, so check() must prove it.

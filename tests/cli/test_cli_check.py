@@ -101,15 +101,17 @@ def test_graphed_prices_as_a_graph_replay_and_keeps_what_eager_pricing_rejects()
     assert "priced as eager launches" not in graphed.out
     checked = run_cli("check", *argv, "--graphed")
     assert (checked.status, checked.err) == (0, ""), checked.out
-    assert checked.out.startswith("ooo_wrap check: OK (2 steps; 0 races")
+    assert checked.out.startswith("ooo_wrap check: OK (") and "0 races" in checked.out
     assert "priced as eager launches" not in checked.out
-    headline = next(line for line in checked.out.splitlines() if "the plan's estimate" in line)
+    headline = next(line for line in checked.out.splitlines() if "show it)" in line)
     assert "priced as a CUDA graph replay" in headline
     # The plan's table and the check give the one figure.
     figure = next(line for line in graphed.out.splitlines() if "estimated step:" in line)
     assert figure.strip() in headline
-    plain = run_cli("check", *argv)
-    assert plain.status == 1 and "NOT CHECKED" in plain.out  # eagerly: no_parallelism
+    # Eagerly the planner's estimate rejects the regions, but tuning would race them (the
+    # device decides), so the check proves them too.
+    eager_check = run_cli("check", *argv)
+    assert eager_check.status == 0 and "arms, 2 steps each; 0 races" in eager_check.out
     static = run_cli("plan", "tests.support.cli_factories:graph_towers", "--graphed")
     assert "note: --graphed prices the plan the dataflow planner learns" in static.out
 
