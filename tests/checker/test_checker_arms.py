@@ -137,7 +137,8 @@ def test_the_split_arm_of_an_autocast_model_is_clean() -> None:
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="the split with deferred joins races on branches sharing batch-norm statistics",
+    reason="deferred joins race (write after write) on branches sharing batch-norm "
+    "statistics: the static+overlap arm races with or without the split",
 )
 def test_the_split_arm_of_branches_sharing_running_statistics_is_clean() -> None:
     model, x = models.SharedStats(), torch.randn(32, 64)
