@@ -126,7 +126,10 @@ def test_a_learned_plan_with_one_side_stage_is_an_arm() -> None:
 # Arms the check now proves that were never checked before, and fail: the weight-gradient
 # split on these models. Each test flips (strict) once the split is fixed for them.
 @pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="the weight-gradient split under autocast races"
+    strict=True,
+    raises=AssertionError,
+    reason="check() under an outer autocast finds the wgrad arm's outputs and gradients "
+    "differ from plain's (training the split under autocast directly is bitwise)",
 )
 def test_the_split_arm_of_an_autocast_model_is_clean() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
