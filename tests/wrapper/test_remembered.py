@@ -134,6 +134,9 @@ def _ranks_agree(rank: int, world_size: int, cache: str) -> dict[str, Any]:
     model = wrap_timed(ThreeTowers(), ArmClock(times, noise=0.01, seed=rank), tune_cache=setting)
     steps = train(model, 400)
     assert model.tuning is not None
+    # Both ranks leave together: one that tears the group down while the other is still
+    # in its last step aborts that one in gloo's teardown.
+    torch.distributed.barrier()
     return {"decision": model.tuning.decision, "steps": steps}
 
 
