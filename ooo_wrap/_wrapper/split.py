@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 
 import torch
 from torch import nn
 
-from .._events import EventKind, EventLog, OOOEvent
+from .._events import EventKind, OOOEvent
 from .._plan import Plan, plural
 from .._runtime.backend import Backend, clock_of
-from .._runtime.wgrad import WeightGradSplit, split_layers
-from .._stats import Counters
+from .._runtime.wgrad import split_layers
 from .options import WrapOptions
 
 __all__ = [
@@ -29,7 +27,6 @@ __all__ = [
     "split_alone",
     "split_event",
     "split_wanted",
-    "start_split",
 ]
 
 
@@ -69,23 +66,6 @@ def split_alone(
     if not split_wanted(model, options, backend):
         return None
     return dataclasses.replace(the_plan, stages=())
-
-
-def start_split(
-    model: nn.Module,
-    owner: object,
-    the_plan: Plan,
-    options: WrapOptions,
-    backend: Backend,
-    counters: Counters,
-    log: EventLog,
-) -> WeightGradSplit:
-    """Swap the model's split layers for ``owner``'s planned forwards, and say so."""
-    split = WeightGradSplit(owner, backend, counters, log)
-    layers = split_layers(model, options.split_weight_grads_exclude)
-    split.install(layer for _, layer in layers)
-    log.add(split_event(the_plan, len(layers)), level=logging.INFO)
-    return split
 
 
 def split_event(the_plan: Plan, layers: int) -> OOOEvent:
