@@ -14,7 +14,14 @@ from typing import Any, TypeVar
 import torch
 
 from .._errors import OOOConfigError
-from .._wrapper.registry import is_wrapped, mark_graphed, plan_pending, root_hooks_lifted, stage_of
+from .._wrapper.registry import (
+    is_wrapped,
+    mark_graphed,
+    plan_pending,
+    race_as_graph,
+    root_hooks_lifted,
+    stage_of,
+)
 
 __all__ = ["make_graphed_callables"]
 
@@ -35,8 +42,10 @@ def make_graphed_callables(callables: _T, sample_args: tuple[Any, ...], **kwargs
     is still to be learned (``dataflow`` planner, no training forward yet) first runs one
     eager forward on its sample args, on a side stream, so that its stages exist before
     the warm-up; the scheduler then expects graphed forwards to call no stage (no
-    ``STAGE_NOT_CALLED`` events); without CUDA the callables are returned unchanged and
-    an INFO log says so, so the same script runs without a GPU.
+    ``STAGE_NOT_CALLED`` events); a model that tunes is held plain for the capture, since
+    nothing can time PyTorch's graphs (pin an arm with ``tune_arm`` to graph it, or use
+    :func:`graphed_step`, which races the arms as graphs); without CUDA the callables are
+    returned unchanged and an INFO log says so, so the same script runs without a GPU.
 
     Args:
         callables: a module or function, or a tuple of them, as PyTorch takes them.
@@ -74,6 +83,12 @@ def make_graphed_callables(callables: _T, sample_args: tuple[Any, ...], **kwargs
     for item, args in zip(items, samples, strict=False):
         if is_wrapped(item) and plan_pending(item):
             _learn_plan(item, args)
+    for model in models:
+        # Nothing can time the graphs PyTorch captures: a tuning model (or one tuned on
+        # eager steps, which do not apply to a replay) is held plain for the capture.
+        tuner = race_as_graph(model)
+        if tuner is not None:
+            tuner.hold(tuner.arms[0])
     with contextlib.ExitStack() as lifted:
         for model in models:
             lifted.enter_context(root_hooks_lifted(model))

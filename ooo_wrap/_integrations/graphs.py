@@ -7,16 +7,22 @@ eager mode, so the graph records the same multi-stream schedule and every replay
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from .._compat import stale_capture_streams_overridden
 from .._errors import OOOConfigError, OOOError, positive_int
+from .._events import EventKind, OOOEvent
 from .._tensors import non_tensor_leaves
+from .._wrapper.registry import hold_for_graph, is_wrapped, race_as_graph
+from .graph_race import Capture, GraphRace
 
 __all__ = ["GraphedStep", "graphed_step"]
 
@@ -70,8 +76,10 @@ class GraphedStep:
         graph: torch.cuda.CUDAGraph | None = None,
         static_args: tuple[torch.Tensor, ...] = (),
         static_outputs: Any = None,
+        *,
+        race: GraphRace | None = None,
     ) -> None:
-        self.captured = graph is not None
+        self.captured = graph is not None or race is not None
         self.reason: Reason = reason
         self.message = message
         self.graph = graph
@@ -79,6 +87,7 @@ class GraphedStep:
         self.static_outputs = static_outputs
         self._step_fn = step_fn
         self._specs = specs
+        self._race = race
 
     def __call__(self, *args: torch.Tensor) -> Any:
         """Run one step on ``args``: copy them into the static buffers and replay, returning
@@ -90,13 +99,35 @@ class GraphedStep:
                 script that runs without CUDA runs with it).
         """
         self._check(args)
-        if self.graph is None:
+        if not self.captured:
             return self._step_fn(*args)
         for static, arg in zip(self.static_args, args, strict=True):
             if arg is not static:
                 static.copy_(arg)  # on the current stream, which the replay is queued on
-        self.graph.replay()
-        return self.static_outputs
+        if self._race is None:
+            assert self.graph is not None
+            self.graph.replay()
+            return self.static_outputs
+        outputs, decided = self._race.replay()
+        if decided:
+            self._keep_winner()
+        return outputs
+
+    @property
+    def racing(self) -> tuple[str, ...]:
+        """The arms whose graphs the calls replay in turn while a wrapped model's arms race
+        as graphs (plain first); ``()`` once decided, or when nothing races."""
+        return () if self._race is None else self._race.arms
+
+    def _keep_winner(self) -> None:
+        """The race decided: every call replays the winner's graph from now on."""
+        assert self._race is not None
+        winner, graph, self.static_outputs = self._race.winner()
+        self.graph = graph  # type: ignore[assignment]  # a CUDAGraph, as captured
+        self._race = None
+        logger.info(
+            "ooo_wrap.graphed_step: the %s arm won as a graph; the others are freed", winner
+        )
 
     def __repr__(self) -> str:
         return f"GraphedStep(captured={self.captured}, reason={self.reason!r})"
@@ -266,35 +297,44 @@ def _capture(
         static_args = tuple(_static_copy(arg) for arg in sample_args)
         ambient = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        # 1. The warm-up stream waits on ambient, where the clones were queued.
-        side.wait_stream(ambient)
-        with torch.cuda.stream(side):
-            for step in range(warmup):
-                outputs = step_fn(*static_args)
-                if step == 0:
-                    _check_outputs(outputs)
-                # A kept output (the loss) keeps its autograd graph alive, and with it
-                # gradient accumulators bound to warm-up streams, stale under capture.
-                del outputs
-        # 2. Ambient, and so the capture (torch.cuda.graph synchronizes first), runs after
-        # the warm-up's updates to parameters and optimizer state.
-        ambient.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
+
+        def warm_up(steps: int, check: bool = False) -> None:
+            # 1. The warm-up stream waits on ambient, where the clones were queued.
+            side.wait_stream(ambient)
+            with torch.cuda.stream(side):
+                for step in range(steps):
+                    outputs = step_fn(*static_args)
+                    if check and step == 0:
+                        _check_outputs(outputs)
+                    # A kept output (the loss) keeps its autograd graph alive, and with it
+                    # gradient accumulators bound to warm-up streams, stale under capture.
+                    del outputs
+            # 2. Ambient, and so the capture (torch.cuda.graph synchronizes first), runs
+            # after the warm-up's updates to parameters and optimizer state.
+            ambient.wait_stream(side)
+
+        def capture() -> tuple[torch.cuda.CUDAGraph, Any]:
+            graph = torch.cuda.CUDAGraph()
             with stale_capture_streams_overridden(), torch.cuda.graph(graph):
-                static_outputs = step_fn(*static_args)
+                outputs = step_fn(*static_args)
+            return graph, outputs
+
+        def capture_arm() -> tuple[torch.cuda.CUDAGraph, Any]:
+            warm_up(1)  # the arm held now: its streams and workspaces, outside the capture
+            return capture()
+
+        with _wrapped_models_seen() as models:
+            warm_up(warmup, check=True)
+        try:
+            race = _graph_race(models, capture_arm)
+            graph, static_outputs = (None, None) if race is not None else capture()
         except Exception as error:
-            raise OOOError(
-                f"capturing the step in a CUDA graph failed ({type(error).__name__}: "
-                f"{error}). A captured step must not sync with the host: no .item(), "
-                ".tolist(), print of a tensor, nonzero() or boolean-mask indexing, no "
-                "data-dependent shape (an MoE that routes so cannot be captured); Adam and "
-                "AdamW need capturable=True"
-            ) from error
+            raise _capture_failed(error) from error
     logger.info(
-        "ooo_wrap.graphed_step: captured the step in a CUDA graph on %s after %d warm-up steps",
+        "ooo_wrap.graphed_step: captured the step in a CUDA graph on %s after %d warm-up steps%s",
         device,
         warmup,
+        "" if race is None else f"; racing the arms {', '.join(race.arms)} as graphs",
     )
     return GraphedStep(
         step_fn,
@@ -304,6 +344,56 @@ def _capture(
         graph,
         static_args,
         static_outputs,
+        race=race,
+    )
+
+
+@contextlib.contextmanager
+def _wrapped_models_seen() -> Iterator[list[nn.Module]]:
+    """The wrapped models the block runs, in order: each is told, as its forward starts,
+    that its step is about to be captured (``registry.hold_for_graph``)."""
+    models: list[nn.Module] = []
+
+    def seen(module: nn.Module, args: Any) -> None:
+        if is_wrapped(module):
+            hold_for_graph(module)
+            if all(module is not other for other in models):
+                models.append(module)
+
+    handle = register_module_forward_pre_hook(seen)
+    try:
+        yield models
+    finally:
+        handle.remove()
+
+
+def _graph_race(models: list[nn.Module], capture_arm: Capture) -> GraphRace | None:
+    """Race the arms of the first tuning model the step runs as graphs; the others hold
+    plain (one model is raced at a time, as in eager tuning)."""
+    race: GraphRace | None = None
+    for model in models:
+        tuner = race_as_graph(model)
+        if tuner is None:
+            continue
+        if race is None:
+            race = GraphRace(model, tuner, capture_arm)
+            continue
+        tuner.hold(tuner.arms[0])
+        why = (
+            "the step captured in a CUDA graph races another wrapped model's arms (one "
+            "model at a time): the graph holds this one plain, unmeasured as a graph"
+        )
+        tuner.log.add(OOOEvent(EventKind.TUNED, "not_finished", why), level=logging.INFO)
+    return race
+
+
+def _capture_failed(error: Exception) -> OOOError:
+    return OOOError(
+        f"capturing the step in a CUDA graph failed ({type(error).__name__}: "
+        f"{error}). A captured step must not sync with the host: no .item(), "
+        ".tolist(), print of a tensor, nonzero() or boolean-mask indexing, no "
+        "data-dependent shape (an MoE that routes so cannot be captured); Adam and "
+        "AdamW need capturable=True"
     )
 
 

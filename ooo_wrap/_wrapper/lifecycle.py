@@ -162,14 +162,31 @@ class WrapState:
                 OOOEvent(
                     EventKind.TUNED,
                     "not_finished",
-                    f"the forward replays a CUDA graph now, which holds the {active.name} arm: "
-                    "tuning stopped before it decided; tune with eager steps first, or wrap "
-                    "with tune=False",
+                    f"the forward replays a CUDA graph now, which holds the {active.name} arm, "
+                    "unmeasured as a graph: tuning stopped (eager step times do not apply to a "
+                    "replay); ooo_wrap.graphed_step races the arms as graphs, or pin one with "
+                    "tune_arm=...",
                 ),
                 level=logging.INFO,
             )
         if self.scheduler is not None:
             self.scheduler.stages_replay_in_a_graph()
+
+    def hold_for_graph(self) -> None:
+        """A forward of a step ``graphed_step`` warms up: a tuning model times nothing (its
+        arms are raced as graphs once the warm-up is done)."""
+        if self.phase is Phase.TUNING and self.tuner is not None and not self.tuner.held:
+            self.tuner.hold(self.tuner.active)
+
+    def race_as_graph(self, model: nn.Module) -> Tuner | None:
+        """``graphed_step`` will capture the model's step: the tuner whose arms it races as
+        graphs, or ``None`` (not tuning). A decision measured on eager steps, or taken
+        from the cache, is raced again: eager step times do not apply to a replay."""
+        decided = self.decided
+        eager = decided is not None and not decided.as_graph
+        if eager and self.phase in (Phase.SCHEDULED, Phase.STOPPED) and len(self.arms) > 1:
+            self.retune(model)
+        return self.tuner if self.phase is Phase.TUNING else None
 
     def unwrap(self, model: nn.Module) -> None:
         """Remove every hook (-> ``UNWRAPPED``); the model's class is the caller's to restore."""
@@ -292,8 +309,13 @@ class WrapState:
     def _tuner_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """``TUNING`` -> ``SCHEDULED`` (an arm kept) or ``STOPPED`` once the tuner decides."""
         tuner = self.tuner
-        if tuner is None or not tuner.post_hook(module, args, kwargs, output):
-            return
+        if tuner is not None and tuner.post_hook(module, args, kwargs, output):
+            self.apply_decision(module)
+
+    def apply_decision(self, model: nn.Module) -> None:
+        """``TUNING`` -> ``SCHEDULED`` (an arm kept) or ``STOPPED``: the tuner decided."""
+        tuner = self.tuner
+        assert tuner is not None and tuner.decision != "pending"
         record = tuner.record()
         winner = next(arm for arm in self.arms if arm.name == record.decision)
         self._remove("tuner", "arm")
@@ -302,7 +324,7 @@ class WrapState:
         if winner.is_plain:
             self._stop(Reason.MEASURED_SLOWER, slower_why(record))
             return
-        self._schedule(module, winner)
+        self._schedule(model, winner)
         cached = OOOEvent(EventKind.TUNED, "cached", record.why) if tuner.recalled else None
         self.log.add(cached or kept_event(record), level=logging.INFO)
 

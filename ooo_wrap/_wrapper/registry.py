@@ -15,14 +15,18 @@ from .._compat import forward_hook_dicts
 from .._events import OOOEvent
 from .arms import Arm
 from .lifecycle import Phase, WrapState
+from .tune import Tuner
 
 __all__ = [
     "detached",
     "events_for",
+    "graph_race_decided",
+    "hold_for_graph",
     "is_wrapped",
     "mark_graphed",
     "plan_pending",
     "price_as_graph_replay",
+    "race_as_graph",
     "root_hooks_lifted",
     "runs_plain",
     "stage_of",
@@ -137,6 +141,27 @@ def price_as_graph_replay(model: nn.Module) -> bool:
         return False
     learner.graphed = True
     return True
+
+
+def hold_for_graph(model: nn.Module) -> None:
+    """A forward of ``model`` in a step ``graphed_step`` warms up (see
+    ``WrapState.hold_for_graph``); a no-op on a model not wrapped."""
+    state = wrapped.get(model)
+    if state is not None and not price_as_graph_replay(model):
+        state.hold_for_graph()
+
+
+def race_as_graph(model: nn.Module) -> Tuner | None:
+    """The tuner whose arms ``graphed_step`` races as graphs for ``model``, or ``None``."""
+    state = wrapped.get(model)
+    return None if state is None else state.race_as_graph(model)
+
+
+def graph_race_decided(model: nn.Module) -> None:
+    """The graph race of ``model`` decided: keep its winner's hooks, as eager tuning does."""
+    state = wrapped.get(model)
+    if state is not None and state.tuner is not None:
+        state.apply_decision(model)
 
 
 def arms_of(model: nn.Module) -> tuple[Arm, ...]:

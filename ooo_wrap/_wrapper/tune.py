@@ -21,7 +21,9 @@ only that arm's hooks, plain runs none, and once decided only the winner's remai
    tracing. A forward with gradients off (evaluation) is left out of the step it falls
    in: marks before and after it cut its time out. Under a graph capture nothing is
    recorded (a capture cannot hold a timing event) and the open step is not counted;
-   the graph holds the best-estimated candidate arm. Compiled forwards are not seen.
+   the graph holds plain, unmeasured. ``graphed_step``, which owns its capture, races
+   the arms as graphs instead (``hold``, ``replayed``; ``_integrations/graph_race.py``).
+   Compiled forwards are not seen.
 4. Racing: once every arm has ``tune_steps`` counted steps, an arm measured slower
    than plain (or not faster after ``MAX_ROUNDS`` times the steps) leaves the race; when
    none is left, plain is kept. Else the fastest arm faster than plain (on a tie the
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
 __all__ = ["Switch", "Tuner"]
 
 Shape = tuple[tuple[torch.Size, torch.dtype], ...]
+_GRAPH: Shape = ()  # the one input shape of a graph's replays (its static args)
 # Put an arm's hooks on (and the previous arm's off); returns the scheduler whose root
 # hooks the tuner calls, or None for plain.
 Switch = Callable[[Arm], "RootHooks | None"]
@@ -133,6 +136,9 @@ class Tuner:
         self._verdict = "pending"  # what this rank found
         self.why = ""
         self.recalled = False  # decided from the cache (shared.py)
+        self.held = False  # graphed_step holds the arm (hold)
+        self.as_graph = False  # the steps timed are graph replays (replayed)
+        self._replaying: Arm = self.arms[0]
         self.active: Arm = self.arms[0]
         self.scheduler: RootHooks | None = None
         self._bounds = StepBounds(model)  # 1.
@@ -153,7 +159,9 @@ class Tuner:
         confirmation = tuple(_timing(arm, confirming) for arm in pair)
         shapes = len({s.shape for s in self._closed if s.ms is not None})
         device = self.clock.device_name
-        return Tuning(self.decision, arms, device, confirmation, shapes, self._stage, self.why)
+        return Tuning(
+            self.decision, arms, device, confirmation, shapes, self._stage, self.why, self.as_graph
+        )
 
     # --- hooks ----------------------------------------------------------------------
 
@@ -181,6 +189,10 @@ class Tuner:
             self._frames.clear()
             if self._open is not None:
                 self._open.arm = None
+        if self.held:
+            # graphed_step holds the arm (it races the arms as graphs): nothing is timed.
+            self._frames.append(_Frame(module, None, self.scheduler, skipped=True))
+            return self.scheduler
         if self._frames or thread_state.recomputing is not None:
             # Called inside its own forward, or a checkpoint around the model recomputing
             # it in backward: part of the step in flight, in its arm; no mark.
@@ -194,8 +206,7 @@ class Tuner:
             # 3. No timing event in a capture: the open step cannot be timed.
             if self._open is not None:
                 self._open.arm = None
-            if self.active.is_plain and len(self.arms) > 1:
-                self._activate(self.arms[1])  # the graph holds the best-estimated arm
+            self._activate(self.arms[0])  # unmeasured as a graph: plain
             self._frames.append(_Frame(module, None, self.scheduler, skipped=True))
             self._report_capture()
             return self.scheduler
@@ -267,15 +278,70 @@ class Tuner:
             if error is None or not is_checkpoint_early_stop(error):
                 frame.step.arm = None
             return False
+        return self._agreed(store=True)
+
+    def _agreed(self, *, store: bool) -> bool:
+        """Decide if the evidence allows, agree with the other ranks; whether decided."""
         if self._verdict == "pending":
             self._decide()
         agreed = self.shared.agree(self._opened, self._verdict, self.steps)
         if agreed not in ("pending", self._verdict):
             self.why = "rank 0's decision, taken by every rank"
         self.decision = agreed
-        if agreed != "pending" and not self.recalled:
+        if store and agreed != "pending" and not self.recalled:
             self.shared.store(self.record())
         return agreed != "pending"
+
+    # --- racing as graphs (graphed_step) ----------------------------------------------
+
+    def hold(self, arm: Arm | None) -> None:
+        """``graphed_step`` races the arms as CUDA graphs: from now on forwards run ``arm``
+        and nothing is timed or switched by them (``None``: let go). The open step, if
+        any, is not counted."""
+        if self._open is not None:
+            self._open.arm = None
+        self.held = arm is not None
+        if arm is not None:
+            self._activate(arm)
+
+    def leave(self, arm: Arm) -> None:
+        """``arm`` leaves the race unmeasured (its graph could not be captured)."""
+        self._racing = [racing for racing in self._racing if racing is not arm]
+        if len(self._racing) == 1:
+            self._decided(self.arms[0], "no arm could be raced: none but plain was captured")
+
+    @property
+    def racing(self) -> tuple[str, ...]:
+        """The arms still racing (or confirming), plain first."""
+        return tuple(arm.name for arm in self._racing)
+
+    def next_replay(self) -> Arm | None:
+        """The arm whose graph the next replay runs (rotating as steps do), or ``None``
+        for an uncounted warm-up replay of it (then :meth:`replay_warmed` names it)."""
+        turn = self._rotation.get(_GRAPH, 0)
+        self._rotation[_GRAPH] = turn + 1
+        arm = self._racing[turn % len(self._racing)]
+        self._replaying = arm
+        if (arm.name, _GRAPH) not in self._warmed:
+            self._warmed.add((arm.name, _GRAPH))
+            return None
+        return arm
+
+    @property
+    def replaying(self) -> Arm:
+        """The arm :meth:`next_replay` chose last (counted or warm-up)."""
+        return self._replaying
+
+    def replayed(self, arm: Arm | None, start: Mark, end: Mark) -> bool:
+        """A replay of ``arm``'s graph (``None``: a warm-up, not counted) ran between the
+        marks; whether the race is decided now. Graph decisions are not cached: the
+        cache holds eager step times."""
+        self._opened += 1
+        self._opened_in_stage += 1
+        if arm is not None:
+            self._closed.append(_Step(arm, _GRAPH, self._stage, [start, end]))
+        self.as_graph = True
+        return self._agreed(store=False)
 
     def _activate(self, arm: Arm) -> None:
         if arm is not self.active:
@@ -360,9 +426,9 @@ class Tuner:
         if not self._capture_reported:  # the log keeps one event of a kind and reason
             self._capture_reported = True
             why = (
-                f"a graph capture began before tuning decided: the graph holds the "
-                f"{self.active.name} arm, unmeasured as a graph (eager step times do not "
-                "apply to a replay); pin the arm to capture with tune_arm=..."
+                "a graph capture began before tuning decided: the graph holds plain, "
+                "unmeasured as a graph (eager step times do not apply to a replay); "
+                "ooo_wrap.graphed_step races the arms as graphs, or pin one with tune_arm=..."
             )
             self.log.add(OOOEvent(EventKind.TUNED, "not_finished", why), level=logging.INFO)
 

@@ -94,6 +94,8 @@ class Tuning:
             each shape).
         stage: ``"racing"``, ``"confirming"`` or ``"decided"``.
         why: why the decision was made (empty while pending).
+        as_graph: whether the steps timed were replays of each arm's CUDA graph of the
+            whole step (``graphed_step`` races so), not eager steps.
     """
 
     decision: str
@@ -103,6 +105,7 @@ class Tuning:
     shapes: int = 0
     stage: Stage = "racing"
     why: str = field(default="")
+    as_graph: bool = False
 
     def arm(self, name: str) -> ArmTiming | None:
         """The racing record of the arm ``name``, or ``None``."""
@@ -125,6 +128,8 @@ class Tuning:
     @property
     def compared(self) -> str:
         """How steps were compared."""
+        if self.as_graph:
+            return "replays of each arm's CUDA graph of the whole step"
         if self.shapes <= 1:
             return "step times at one input shape"
         return f"each step against plain's median at its input shape ({self.shapes} shapes)"
@@ -198,10 +203,11 @@ def _figures(record: Tuning) -> str:
             return f"no arm could be timed against plain on {record.device}"
         plain, best = record.arms[0], min(raced, key=lambda arm: arm.median_relative or 0.0)
         where = "in the race"
+    steps = "graph replays" if record.as_graph else "steps"
     return (
         f"{where}, median step {best.median_ms:.3f} ms with {best.name} vs "
         f"{plain.median_ms:.3f} ms plain ({record.speedup:.2f}x, {len(best.step_ms)} and "
-        f"{len(plain.step_ms)} steps measured on {record.device})"
+        f"{len(plain.step_ms)} {steps} measured on {record.device})"
     )
 
 

@@ -29,6 +29,7 @@ from benchmarks.models import ModelSpec
 from examples import quickstart, transformer
 from ooo_wrap import _compat
 from ooo_wrap._runtime.backend import AcceleratorBackend
+from tests.support.cli_factories import graph_towers
 
 pytestmark = pytest.mark.cuda
 
@@ -646,6 +647,36 @@ def test_graphed_step_of_a_wrapped_model_matches_eager_steps_of_the_plain_one() 
         assert torch.isfinite(loss), f"replay {replay}"
         assert _rel_err(loss, want) <= GRAPH_REL_TOL, f"loss of replay {replay}"
     _assert_parameters_close(plain, model, 3 + GRAPH_REPLAYS)
+
+
+def test_graphed_step_races_the_arms_as_graphs_and_trains_as_eager_steps_do() -> None:
+    plain = graph_towers().to(DEVICE)
+    model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4)  # tunes: arms raced as graphs
+    assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
+    generator = torch.Generator(device=DEVICE).manual_seed(2)
+    batches = [
+        (
+            torch.randn(16, 256, device=DEVICE, generator=generator),
+            torch.randint(0, 10, (16,), device=DEVICE, generator=generator),
+        )
+        for _ in range(1 + GRAPH_REPLAYS)
+    ]
+    sample, *rest = batches
+    graphed = ooo_wrap.graphed_step(_adam_step(model), *sample, warmup=3)
+    racing = graphed.racing
+    assert graphed.captured and racing and racing[0] == "plain", (racing, model.plan)
+    assert model.tuning is not None and not any(arm.step_ms for arm in model.tuning.arms)
+    eager = _adam_step(plain)
+    # The warm-up steps, then one eager step per arm before its capture: real steps.
+    expected = [eager(*sample) for _ in range(3 + len(racing))]
+    expected += [eager(*batch) for batch in rest]
+    losses = [graphed(*batch).clone() for batch in rest]
+    torch.cuda.synchronize()
+    for replay, (loss, want) in enumerate(zip(losses, expected[3 + len(racing) :], strict=True)):
+        assert _rel_err(loss, want) <= GRAPH_REL_TOL, f"loss of replay {replay}"
+    _assert_parameters_close(plain, model, len(expected))
+    tuning = model.tuning
+    assert tuning is not None and tuning.as_graph and any(arm.step_ms for arm in tuning.arms)
 
 
 def test_make_graphed_callables_takes_a_wrapped_model_and_runs_its_stages_on_side_streams() -> None:

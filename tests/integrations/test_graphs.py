@@ -115,8 +115,9 @@ class _CheckpointedTowers(nn.Module):
 
 def test_a_capture_after_a_plain_tuning_step_recomputes_as_its_forward_ran() -> None:
     # The default warmup=3 with the static plan: plain, planned, plain steps of measured
-    # tuning, then the capture. The graph holds the planned arm: its backward must
-    # recompute the checkpointed stages on their side streams too, as its forward ran them.
+    # tuning, then a capture of the planned arm, as racing the arms as graphs holds it
+    # (a plain step ran last). Its backward must recompute the checkpointed stages on
+    # their side streams too, as its forward ran them.
     backend = DetectingBackend(step_time=lambda calls: 1.0)
     model = ooo_wrap.OOOModule(_CheckpointedTowers(), streams=2, backend=backend, planner="static")
     assert model.tuning is not None
@@ -136,6 +137,9 @@ def test_a_capture_after_a_plain_tuning_step_recomputes_as_its_forward_ran() -> 
     sample = _batches(1)[0]
     ooo_wrap.graphed_step(step, *sample, warmup=3)  # no CUDA here: the warm-up only
     assert model.tuning.decision == "pending"
+    tuner = registry.race_as_graph(model)
+    assert tuner is not None
+    tuner.hold(tuner.arms[1])
     where.clear()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with detect(backend, keep_alive=[model]) as found, backend.capturing():

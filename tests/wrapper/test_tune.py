@@ -285,7 +285,7 @@ def test_a_capture_before_the_decision_is_reported_and_not_timed() -> None:
     with backend.capturing():
         train(model, 1, x)
     assert not any(call.op == "record_timing_event" for call in backend.log)
-    assert side_stream_calls(backend) == 2  # the capture holds the planned arm
+    assert side_stream_calls(backend) == 0  # the capture holds plain: unmeasured as a graph
     assert (EventKind.TUNED, "not_finished") in kinds(model)
     assert model.tuning is not None and model.tuning.decision == "pending"
     until_decided(model)
