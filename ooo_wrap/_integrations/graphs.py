@@ -167,9 +167,13 @@ def graphed_step(
     on it afterwards; the warm-up's outputs are dropped before capture, so no autograd
     graph keeps gradient accumulators bound to warm-up streams; where this torch has
     ``torch.autograd.graph.set_override_stale_capture_stream``, it is on for the capture
-    only, and put back as it was. Without CUDA (or for sample args not on CUDA) nothing
-    is captured: the warm-up steps and every call run ``step_fn`` eagerly, with the eager
-    results, and ``reason`` says why (also logged at INFO on the ``ooo_wrap`` logger).
+    only, and put back as it was. A wrapped model that tunes is raced as graphs: each of
+    its arms gets one more eager step and a graph of its own, and the calls replay them
+    in turn, timed, until the tuner decides (``racing`` names them); then every call
+    replays the winner's graph (``graph_race.py``). Without CUDA (or for sample args not
+    on CUDA) nothing is captured: the warm-up steps and every call run ``step_fn``
+    eagerly, with the eager results (and eager tuning), and ``reason`` says why (also
+    logged at INFO on the ``ooo_wrap`` logger).
 
     The warm-up steps are real training steps on the sample args, on every device, so a
     run without CUDA takes the same steps. ``step_fn`` should start with

@@ -231,3 +231,22 @@ def test_each_replay_binds_the_gradients_of_its_own_graph(grads_of: str) -> None
     assert replayed == grads_of
     for param in model.parameters():
         assert param.grad is not None and torch.all(param.grad == len(replayed))
+
+
+def test_the_arms_of_a_step_learned_for_a_graph_include_regions_eager_pricing_rejects() -> None:
+    from tests.support.cli_factories import graph_towers
+
+    def arms(graphed: bool) -> tuple[str, ...]:
+        model = ooo_wrap.OOOModule(
+            graph_towers(), backend=SimulatedBackend(step_time=lambda calls: 1.0)
+        )
+        x = torch.randn(16, 256)
+        if graphed:
+            with _wrapped_models_seen():
+                model(x).sum().backward()
+        else:
+            model(x).sum().backward()
+        return tuple(arm.name for arm in registry.arms_of(model))
+
+    eager, graphed = arms(False), arms(True)
+    assert "regions" in graphed and "regions" not in eager, (eager, graphed)
