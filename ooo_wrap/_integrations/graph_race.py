@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .._errors import OOOError
 from .._events import EventKind, OOOEvent
 from .._wrapper.arms import Arm
 from .._wrapper.registry import graph_race_decided
@@ -111,15 +112,22 @@ class GraphRace:
         for param, grad in captured.grads:
             param.grad = grad
         self.last = captured
-        for name in set(self._graphs) - set(tuner.racing):
-            del self._graphs[name]  # left the race: its memory pool goes
+        if tuner.shared.world == 1:  # else rank 0 decides, maybe for an arm that left here
+            for name in set(self._graphs) - set(tuner.racing):
+                del self._graphs[name]  # left the race: its memory pool goes
         return captured.outputs, tuner.replayed(counted, start, end)
 
     def winner(self) -> tuple[str, Replayable, Any]:
         """Apply the decision to the model (the winner's hooks, or none), free the other
         graphs; the arm kept, its graph and the outputs its replays rewrite."""
         decision = self._tuner.decision
-        kept = self._graphs[decision]
+        kept = self._graphs.get(decision)
+        if kept is None:
+            raise OOOError(
+                f"every rank keeps rank 0's {decision} arm, but this rank could not capture "
+                "it in a CUDA graph (a TUNED not_captured event says why); pin an arm with "
+                "tune_arm=... so that every rank graphs the same one"
+            )
         for param, grad in kept.grads:
             param.grad = grad
         self._graphs.clear()

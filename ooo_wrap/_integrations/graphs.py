@@ -61,10 +61,11 @@ class GraphedStep:
         reason: ``"captured"``, or why not: ``"no_cuda"`` (no CUDA device) or
             ``"not_on_cuda"`` (the sample args are on another device).
         message: one sentence saying the same to a person.
-        graph: the ``torch.cuda.CUDAGraph``, or ``None`` when not captured.
+        graph: the ``torch.cuda.CUDAGraph``, or ``None`` when not captured, or while a
+            wrapped model's arms race as graphs (``racing``: one graph per arm).
         static_args: the input buffers the graph reads (``()`` when not captured).
         static_outputs: what ``step_fn`` returned during capture, rewritten by every
-            replay (``None`` when not captured).
+            replay (``None`` when not captured; while racing, the last replayed graph's).
     """
 
     def __init__(
@@ -108,10 +109,10 @@ class GraphedStep:
             assert self.graph is not None
             self.graph.replay()
             return self.static_outputs
-        outputs, decided = self._race.replay()
+        self.static_outputs, decided = self._race.replay()
         if decided:
             self._keep_winner()
-        return outputs
+        return self.static_outputs
 
     @property
     def racing(self) -> tuple[str, ...]:

@@ -139,7 +139,7 @@ def test_a_capture_after_a_plain_tuning_step_recomputes_as_its_forward_ran() -> 
     assert model.tuning.decision == "pending"
     tuner = registry.race_as_graph(model)
     assert tuner is not None
-    tuner.hold(tuner.arms[1])
+    tuner.hold(next(arm for arm in tuner.arms if arm.name == "static"))
     where.clear()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with detect(backend, keep_alive=[model]) as found, backend.capturing():
