@@ -34,7 +34,7 @@ from .._errors import OOOError
 from .._events import EventKind, OOOEvent
 from .._wrapper.arms import Arm
 from .._wrapper.registry import graph_race_decided
-from .._wrapper.tune import Tuner
+from .._wrapper.tune import GRAPH, Tuner
 
 __all__ = ["Capture", "GraphRace", "Replayable"]
 
@@ -66,6 +66,7 @@ class GraphRace:
         self._model, self._tuner, self._capture = model, tuner, capture
         self._graphs: dict[str, _Captured] = {}
         self.last: _Captured | None = None
+        self.replaying = ""  # the arm replayed last
         try:
             for arm in tuner.arms:
                 self._add(arm)
@@ -81,7 +82,7 @@ class GraphRace:
             if arm.is_plain:
                 raise  # the step itself cannot be captured: graphed_step says why
             # An arm that cannot be captured (or does not fit in memory) leaves the race.
-            self._tuner.leave(arm)
+            self._tuner.race.leave(arm)
             why = (
                 f"the {arm.name} arm could not be captured in a CUDA graph "
                 f"({type(error).__name__}: {error}); it left the race"
@@ -102,8 +103,8 @@ class GraphRace:
         """Replay the graph of the arm whose turn it is, timed; its outputs, and whether
         the race is decided now (then :meth:`winner` names the arm to capture for good)."""
         tuner = self._tuner
-        counted = tuner.next_replay()
-        arm = tuner.replaying
+        arm, counted = tuner.race.next_turn(GRAPH)
+        self.replaying = arm.name
         captured = self._graphs[arm.name]
         stream = tuner.backend.current_stream(tuner.device)
         start = tuner.clock.mark(stream)
@@ -113,9 +114,9 @@ class GraphRace:
             param.grad = grad
         self.last = captured
         if tuner.shared.world == 1:  # else rank 0 decides, maybe for an arm that left here
-            for name in set(self._graphs) - set(tuner.racing):
+            for name in set(self._graphs) - {arm.name for arm in tuner.race.racing}:
                 del self._graphs[name]  # left the race: its memory pool goes
-        return captured.outputs, tuner.replayed(counted, start, end)
+        return captured.outputs, tuner.replayed(arm if counted else None, start, end)
 
     def winner(self) -> tuple[str, Replayable, Any]:
         """Apply the decision to the model (the winner's hooks, or none), free the other

@@ -172,22 +172,6 @@ class WrapState:
         if self.scheduler is not None:
             self.scheduler.stages_replay_in_a_graph()
 
-    def hold_for_graph(self) -> None:
-        """A forward of a step ``graphed_step`` warms up: a tuning model times nothing (its
-        arms are raced as graphs once the warm-up is done)."""
-        if self.phase is Phase.TUNING and self.tuner is not None and not self.tuner.held:
-            self.tuner.hold(self.tuner.active)
-
-    def race_as_graph(self, model: nn.Module) -> Tuner | None:
-        """``graphed_step`` will capture the model's step: the tuner whose arms it races as
-        graphs, or ``None`` (not tuning). A decision measured on eager steps, or taken
-        from the cache, is raced again: eager step times do not apply to a replay."""
-        decided = self.decided
-        eager = decided is not None and not decided.as_graph
-        if eager and self.phase in (Phase.SCHEDULED, Phase.STOPPED) and len(self.arms) > 1:
-            self.retune(model)
-        return self.tuner if self.phase is Phase.TUNING else None
-
     def unwrap(self, model: nn.Module) -> None:
         """Remove every hook (-> ``UNWRAPPED``); the model's class is the caller's to restore."""
         self._refuse_inside_forward(model, "unwrap()")

@@ -144,17 +144,28 @@ def price_as_graph_replay(model: nn.Module) -> bool:
 
 
 def hold_for_graph(model: nn.Module) -> None:
-    """A forward of ``model`` in a step ``graphed_step`` warms up (see
-    ``WrapState.hold_for_graph``); a no-op on a model not wrapped."""
+    """A forward of ``model`` in a step ``graphed_step`` warms up: a plan still to be
+    learned is priced as a graph replay; a tuning model times nothing."""
     state = wrapped.get(model)
-    if state is not None and not price_as_graph_replay(model):
-        state.hold_for_graph()
+    if state is None or price_as_graph_replay(model):
+        return  # not wrapped, or its plan is priced as a graph replay when learned
+    tuner = state.tuner if state.phase is Phase.TUNING else None
+    if tuner is not None and not tuner.held:
+        tuner.hold(tuner.active)  # it times nothing: its arms are raced as graphs next
 
 
 def race_as_graph(model: nn.Module) -> Tuner | None:
-    """The tuner whose arms ``graphed_step`` races as graphs for ``model``, or ``None``."""
+    """The tuner whose arms ``graphed_step`` races as graphs for ``model``, or ``None``
+    (not tuning). A decision measured on eager steps, or taken from the cache, is raced
+    again: eager step times do not apply to a replay."""
     state = wrapped.get(model)
-    return None if state is None else state.race_as_graph(model)
+    if state is None:
+        return None
+    decided = state.decided
+    eager = decided is not None and not decided.as_graph
+    if eager and state.phase in (Phase.SCHEDULED, Phase.STOPPED) and len(state.arms) > 1:
+        state.retune(model)
+    return state.tuner if state.phase is Phase.TUNING else None
 
 
 def graph_race_decided(model: nn.Module) -> None:

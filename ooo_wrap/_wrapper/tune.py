@@ -14,34 +14,25 @@ only that arm's hooks, plain runs none, and once decided only the winner's remai
    recomputation of the whole model in backward (it stops early by raising through the
    model on purpose: not a forward that raised) is part of one step, in one arm.
 2. The arms rotate by step, separately for each input shape (the shapes and dtypes of
-   the forward's tensors): a loop over a handful of sequence lengths compares the arms
-   within each length (``tuning.py``). The first step of each arm at each shape is a
-   warm-up.
+   the forward's tensors), and the race decides (``race.py``).
 3. Not counted: a step opened by a forward that raised or ran under ``disabled()`` or
    tracing. A forward with gradients off (evaluation) is left out of the step it falls
    in: marks before and after it cut its time out. Under a graph capture nothing is
    recorded (a capture cannot hold a timing event) and the open step is not counted;
    the graph holds plain, unmeasured. ``graphed_step``, which owns its capture, races
-   the arms as graphs instead (``hold``, ``replayed``; ``_integrations/graph_race.py``).
+   the arms as graphs instead (``hold``, ``replayed``;
+   ``_integrations/graph_race.py``).
    Compiled forwards are not seen.
-4. Racing: once every arm has ``tune_steps`` counted steps, an arm measured slower
-   than plain (or not faster after ``MAX_ROUNDS`` times the steps) leaves the race; when
-   none is left, plain is kept. Else the fastest arm faster than plain (on a tie the
-   simpler) goes to a **confirmation round**: it alone against plain, on fresh steps, so
-   that racing several noisy arms does not manufacture a win. It is kept only if faster
-   there too. Step times are read, without a host sync, from marks the device has passed;
-   the host waits once for the last mark when a round runs out of steps.
-5. The decision is made in the root post-hook of a forward that returned and applied
+4. The decision is made in the root post-hook of a forward that returned and applied
    there by the wrap state (``lifecycle.py``): the tuner's hooks go, the winner's hooks
    are registered as a scheduled plan's are (plain: no hook at all).
-6. One model is timed at a time in a process (``steps.py``): the others run their
+5. One model is timed at a time in a process (``steps.py``): the others run their
    current arm, untimed.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import sys
 import weakref
 from collections.abc import Callable, Sequence
@@ -57,33 +48,26 @@ from .._runtime.accumulators import Accumulators
 from .._runtime.backend import Backend, Mark, StepClock
 from .._runtime.bypass import eager_bypass_reason
 from .._runtime.inflight import thread_state
-from .._tensors import tensors_in
 from .arms import Arm
+from .race import Race
 from .shared import Shared
 from .steps import StepBounds, Turns
-from .tuning import MAX_ROUNDS, ArmTiming, Stage, Tuning, compare, fastest
+from .tuning import (
+    Shape,
+    TimedStep,
+    Tuning,
+    shape_of,
+)
 
 if TYPE_CHECKING:
     from .._runtime.roots import RootHooks
 
-__all__ = ["Switch", "Tuner"]
+__all__ = ["GRAPH", "Switch", "Tuner"]
 
-Shape = tuple[tuple[torch.Size, torch.dtype], ...]
-_GRAPH: Shape = ()  # the one input shape of a graph's replays (its static args)
+GRAPH: Shape = ()  # the one input shape of a graph's replays (its static args)
 # Put an arm's hooks on (and the previous arm's off); returns the scheduler whose root
 # hooks the tuner calls, or None for plain.
 Switch = Callable[[Arm], "RootHooks | None"]
-
-
-@dataclass
-class _Step:
-    """One step being timed: its marks, and whether it counts (``arm`` is ``None`` if not)."""
-
-    arm: Arm | None
-    shape: Shape
-    stage: Stage
-    marks: list[Mark]  # start, then pairs cutting out evaluation forwards, then the end
-    ms: float | None = None  # the time once read
 
 
 @dataclass
@@ -91,7 +75,7 @@ class _Frame:
     """One root call the tuner acts for: a timed step, or an evaluation forward cut out."""
 
     module: nn.Module
-    step: _Step | None  # None: an evaluation forward, its time cut out of the open step
+    step: TimedStep | None  # None: an evaluation forward, its time cut out of the open step
     scheduler: RootHooks | None  # whose root hooks opened the call (None: plain)
     skipped: bool = field(default=False)  # nothing recorded (a capture, a nested call)
     # The exception being handled around the call, if any: one raised *by* the forward
@@ -120,25 +104,15 @@ class Tuner:
 
     def __post_init__(self, model: nn.Module) -> None:
         self._model = weakref.ref(model)
-        self._closed: list[_Step] = []  # finished counted steps
+        self.race = Race(self.arms, self.steps, self.clock)  # 2.
         self._opened = 0  # training forwards seen, counted or not
-        self._open: _Step | None = None
+        self._open: TimedStep | None = None
         self._frames: list[_Frame] = []
-        self._stage: Stage = "racing"
-        self._confirming: Arm | None = None  # the race's winner, once confirming
-        self._racing: list[Arm] = list(self.arms)  # plain first; arms measured slower leave
-        self._opened_in_stage = 0
-        self._rotation: dict[Shape, int] = {}
-        self._warmed: set[tuple[str, Shape]] = set()
-        self._synced: set[Stage] = set()
         self._capture_reported = False
         self.decision = "pending"  # what every rank keeps, once agreed
-        self._verdict = "pending"  # what this rank found
-        self.why = ""
         self.recalled = False  # decided from the cache (shared.py)
         self.held = False  # graphed_step holds the arm (hold)
         self.as_graph = False  # the steps timed are graph replays (replayed)
-        self._replaying: Arm = self.arms[0]
         self.active: Arm = self.arms[0]
         self.scheduler: RootHooks | None = None
         self._bounds = StepBounds(model)  # 1.
@@ -152,16 +126,7 @@ class Tuner:
 
     def record(self) -> Tuning:
         """The tuning so far (step times read only from marks the device has passed)."""
-        racing = [s for s in self._closed if s.stage == "racing"]
-        arms = tuple(_timing(arm, racing) for arm in self.arms)
-        confirming = [s for s in self._closed if s.stage == "confirming"]
-        pair = () if self._confirming is None else (self.arms[0], self._confirming)
-        confirmation = tuple(_timing(arm, confirming) for arm in pair)
-        shapes = len({s.shape for s in self._closed if s.ms is not None})
-        device = self.clock.device_name
-        return Tuning(
-            self.decision, arms, device, confirmation, shapes, self._stage, self.why, self.as_graph
-        )
+        return self.race.record(self.decision, self.as_graph)
 
     # --- hooks ----------------------------------------------------------------------
 
@@ -230,22 +195,19 @@ class Tuner:
         if step is not None:
             step.marks.append(mark)
             if step.arm is not None and len(step.marks) % 2 == 0:
-                self._closed.append(step)
+                self.race.count(step)
         self._opened += 1
-        self._opened_in_stage += 1
-        shape = _shape_of(args, kwargs)
+        shape = shape_of(args, kwargs)
         arm: Arm | None = None
         if eligible:
-            turn = self._rotation.get(shape, 0)
-            self._rotation[shape] = turn + 1
-            arm = self._racing[turn % len(self._racing)]
+            arm, warmed = self.race.next_turn(shape)
             self._activate(arm)
-            if (arm.name, shape) not in self._warmed:
-                self._warmed.add((arm.name, shape))
-                arm = None  # 2. its warm-up
+            arm = arm if warmed else None  # 2. else its warm-up
+        else:
+            self.race.begun()
         if self._opened == 2 and step is not None:
             self._recall(step.shape)  # the first step told which optimizer updates the model
-        self._open = _Step(arm, shape, self._stage, [mark])
+        self._open = TimedStep(arm, shape, self.race.stage, [mark])
         self._frames.append(_Frame(module, self._open, self.scheduler))
         return self.scheduler
 
@@ -282,11 +244,15 @@ class Tuner:
 
     def _agreed(self, *, store: bool) -> bool:
         """Decide if the evidence allows, agree with the other ranks; whether decided."""
-        if self._verdict == "pending":
-            self._decide()
-        agreed = self.shared.agree(self._opened, self._verdict, self.steps)
-        if agreed not in ("pending", self._verdict):
-            self.why = "rank 0's decision, taken by every rank"
+        race = self.race
+        if race.verdict == "pending":
+            stage = race.stage
+            race.decide()
+            if race.stage == "confirming" != stage and self._open is not None:
+                self._open.arm = None  # opened in the race
+        agreed = self.shared.agree(self._opened, race.verdict, self.steps)
+        if agreed not in ("pending", race.verdict):
+            race.why = "rank 0's decision, taken by every rank"
         self.decision = agreed
         if store and agreed != "pending" and not self.recalled:
             self.shared.store(self.record())
@@ -304,42 +270,12 @@ class Tuner:
         if arm is not None:
             self._activate(arm)
 
-    def leave(self, arm: Arm) -> None:
-        """``arm`` leaves the race unmeasured (its graph could not be captured)."""
-        self._racing = [racing for racing in self._racing if racing is not arm]
-        if len(self._racing) == 1:
-            self._decided(self.arms[0], "no arm could be raced: none but plain was captured")
-
-    @property
-    def racing(self) -> tuple[str, ...]:
-        """The arms still racing (or confirming), plain first."""
-        return tuple(arm.name for arm in self._racing)
-
-    def next_replay(self) -> Arm | None:
-        """The arm whose graph the next replay runs (rotating as steps do), or ``None``
-        for an uncounted warm-up replay of it (then :meth:`replay_warmed` names it)."""
-        turn = self._rotation.get(_GRAPH, 0)
-        self._rotation[_GRAPH] = turn + 1
-        arm = self._racing[turn % len(self._racing)]
-        self._replaying = arm
-        if (arm.name, _GRAPH) not in self._warmed:
-            self._warmed.add((arm.name, _GRAPH))
-            return None
-        return arm
-
-    @property
-    def replaying(self) -> Arm:
-        """The arm :meth:`next_replay` chose last (counted or warm-up)."""
-        return self._replaying
-
     def replayed(self, arm: Arm | None, start: Mark, end: Mark) -> bool:
-        """A replay of ``arm``'s graph (``None``: a warm-up, not counted) ran between the
-        marks; whether the race is decided now. Graph decisions are not cached: the
-        cache holds eager step times."""
+        """A replay of ``arm``'s graph (``None``: a warm-up) ran between the marks; whether
+        the race is decided now. Not cached: the cache holds eager step times."""
         self._opened += 1
-        self._opened_in_stage += 1
         if arm is not None:
-            self._closed.append(_Step(arm, _GRAPH, self._stage, [start, end]))
+            self.race.count(TimedStep(arm, GRAPH, self.race.stage, [start, end]))
         self.as_graph = True
         return self._agreed(store=False)
 
@@ -350,77 +286,14 @@ class Tuner:
 
     # --- measuring and deciding -------------------------------------------------------
 
-    def _decide(self) -> None:
-        """4. Read what the device has passed; move on from racing or confirming."""
-        stage = self._stage
-        counted = [s for s in self._closed if s.stage == stage]
-        per_arm = min(sum(s.arm is arm for s in counted) for arm in self._racing)
-        # Also final after many forwards that mostly did not count (shapes never seen
-        # twice, forwards that raise): the round ends, on what it could measure.
-        limit = MAX_ROUNDS * self.steps
-        final = per_arm >= limit or self._opened_in_stage >= 4 * limit * len(self._racing)
-        if final and counted and stage not in self._synced:
-            # The one host sync of a round: wait for the last mark of its last step.
-            self._synced.add(stage)
-            self.clock.synchronize(counted[-1].marks[-1])
-        for step in counted:
-            if step.ms is None and all(self.clock.done(mark) for mark in step.marks):
-                step.ms = self._elapsed(step.marks)
-        timings = {arm.name: _timing(arm, counted) for arm in self._racing}
-        plain = timings[self.arms[0].name].relative
-        verdicts = {
-            arm.name: compare(timings[arm.name].relative, plain, self.steps, final=final)
-            for arm in self._racing[1:]
-        }
-        if stage == "confirming":
-            (verdict,) = verdicts.values()
-            winner = self._racing[1]
-            if verdict == "faster":
-                self._decided(winner, "faster than plain in the race and confirmed alone")
-            elif verdict == "not_faster":
-                self._decided(self.arms[0], f"{winner.name} was not faster when confirmed alone")
-            return
-        # Racing: arms measured slower than plain leave; the rest race on while unclear.
-        if not final:
-            self._racing = [arm for arm in self._racing if verdicts.get(arm.name) != "not_faster"]
-            if len(self._racing) == 1:
-                return self._decided(self.arms[0], "no arm was faster than plain")
-            if any(v == "pending" for name, v in verdicts.items() if self._in_race(name)):
-                return
-        faster = [arm for arm in self._racing[1:] if verdicts[arm.name] == "faster"]
-        if not faster:
-            why = "no arm was faster than plain" if counted else "nothing could be timed"
-            return self._decided(self.arms[0], why)
-        self._confirm(fastest(faster, timings))
-
-    def _in_race(self, name: str) -> bool:
-        return any(arm.name == name for arm in self._racing)
-
-    def _confirm(self, winner: Arm) -> None:
-        """The winner alone against plain, on fresh steps."""
-        self._stage, self._racing = "confirming", [self.arms[0], winner]
-        self._confirming = winner
-        self._opened_in_stage = 0
-        self._rotation.clear()
-        if self._open is not None:
-            self._open.arm = None  # opened in the race
-
-    def _decided(self, arm: Arm, why: str) -> None:
-        self._verdict, self.why, self._stage = arm.name, why, "decided"
-
     def _recall(self, shape: Shape) -> None:
         """A decision the cache holds for this model (``shared.py``), if any."""
         hit = self.shared.recall(shape, self._bounds.optimizer)
         if hit is not None:
             self.recalled = True
             arm = next(arm for arm in self.arms if arm.name == hit[0])
-            self._decided(arm, hit[1])
+            self.race.decided(arm, hit[1])
             self._activate(arm)
-
-    def _elapsed(self, marks: list[Mark]) -> float:
-        """The step's time: start to end, less each evaluation forward cut out."""
-        pairs = zip(marks[0::2], marks[1::2], strict=True)
-        return sum(self.clock.elapsed_ms(start, end) for start, end in pairs)
 
     def _report_capture(self) -> None:
         if not self._capture_reported:  # the log keeps one event of a kind and reason
@@ -436,30 +309,3 @@ class Tuner:
 def _lost_turn(holder: object) -> None:
     if isinstance(holder, Tuner) and holder._open is not None:
         holder._open.arm = None  # its open step held another model's work
-
-
-def _shape_of(args: Any, kwargs: Any) -> Shape:
-    return tuple((t.shape, t.dtype) for t in tensors_in(args) + tensors_in(kwargs))
-
-
-def _timing(arm: Arm, steps: Sequence[_Step]) -> ArmTiming:
-    """``arm``'s counted steps, each also relative to plain's median at its shape."""
-    timed = [s for s in steps if s.ms is not None]
-    plain_at: dict[Shape, list[float]] = {}
-    for step in timed:
-        if step.arm is not None and step.arm.is_plain:
-            plain_at.setdefault(step.shape, []).append(step.ms)  # type: ignore[arg-type]
-    medians = {shape: statistics.median(ms) for shape, ms in plain_at.items()}
-    mine = [s for s in timed if s.arm is arm]
-    relative = tuple(
-        s.ms / medians[s.shape]  # type: ignore[operator]
-        for s in mine
-        if s.shape in medians and medians[s.shape] > 0
-    )
-    return ArmTiming(
-        arm.name,
-        tuple(s.ms for s in mine),  # type: ignore[misc]
-        relative,
-        arm.estimate_us,
-        arm.estimate_gpu,
-    )

@@ -17,21 +17,29 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+import torch
 
 from .._events import EventKind, OOOEvent
+from .._runtime.backend import Mark
+from .._tensors import tensors_in
 from .arms import Arm
 
 __all__ = [
     "MAX_ROUNDS",
     "MIN_GAIN",
     "ArmTiming",
+    "Shape",
+    "TimedStep",
     "Tuning",
     "Verdict",
     "compare",
     "fastest",
     "kept_event",
+    "shape_of",
     "slower_why",
+    "timing_of",
 ]
 
 # The smallest gain worth side streams: below it, run-to-run noise on a busy host and the
@@ -41,6 +49,7 @@ MIN_GAIN = 0.02
 MAX_ROUNDS = 3
 
 Verdict = Literal["pending", "faster", "not_faster"]
+Shape = tuple[tuple[torch.Size, torch.dtype], ...]
 Stage = Literal["racing", "confirming", "decided"]
 
 
@@ -234,3 +243,43 @@ def fastest(faster: Sequence[Arm], timings: Mapping[str, ArmTiming]) -> Arm:
     spread = max((timings[arm.name].spread or 0.0) for arm in faster)
     close = [arm for arm in faster if median(arm) <= best * (1 + max(spread, MIN_GAIN))]
     return min(close, key=Arm.simplicity)
+
+
+@dataclass
+class TimedStep:
+    """One step being timed: its marks, and whether it counts (``arm`` is ``None`` if not)."""
+
+    arm: Arm | None
+    shape: Shape
+    stage: Stage
+    marks: list[Mark]  # start, then pairs cutting out evaluation forwards, then the end
+    ms: float | None = None  # the time once read
+
+
+def shape_of(args: Any, kwargs: Any) -> Shape:
+    """The shapes and dtypes of a forward's tensors: the steps of one input shape are
+    compared with each other."""
+    return tuple((t.shape, t.dtype) for t in tensors_in(args) + tensors_in(kwargs))
+
+
+def timing_of(arm: Arm, steps: Sequence[TimedStep]) -> ArmTiming:
+    """``arm``'s counted steps, each also relative to plain's median at its shape."""
+    timed = [s for s in steps if s.ms is not None]
+    plain_at: dict[Shape, list[float]] = {}
+    for step in timed:
+        if step.arm is not None and step.arm.is_plain:
+            plain_at.setdefault(step.shape, []).append(step.ms)  # type: ignore[arg-type]
+    medians = {shape: statistics.median(ms) for shape, ms in plain_at.items()}
+    mine = [s for s in timed if s.arm is arm]
+    relative = tuple(
+        s.ms / medians[s.shape]  # type: ignore[operator]
+        for s in mine
+        if s.shape in medians and medians[s.shape] > 0
+    )
+    return ArmTiming(
+        arm.name,
+        tuple(s.ms for s in mine),  # type: ignore[misc]
+        relative,
+        arm.estimate_us,
+        arm.estimate_gpu,
+    )
