@@ -679,6 +679,28 @@ def test_graphed_step_races_the_arms_as_graphs_and_trains_as_eager_steps_do() ->
     assert tuning is not None and tuning.as_graph and any(arm.step_ms for arm in tuning.arms)
 
 
+def test_graphed_step_races_the_target_towers_stage_arms_as_graphs() -> None:
+    # The docs' target case (8 towers, width 2048, batch 16): host-bound in eager
+    # launches, priced as a graph replay its stage arms are candidates, raced as graphs.
+    from benchmarks.models import Towers
+
+    torch.manual_seed(0)
+    model = ooo_wrap.OOOModule(Towers(8, 2048, 4).to(DEVICE), streams=4)
+    assert isinstance(model, ooo_wrap.OOOModule), ooo_wrap.events_for(model)
+    x = torch.randn(16, 2048, device=DEVICE)
+    y = torch.randint(0, 2048, (16,), device=DEVICE)
+    graphed = ooo_wrap.graphed_step(_adam_step(model), x, y, warmup=3)
+    assert model.plan.estimate is not None and model.plan.estimate.graphed, model.plan
+    stage_arms = [name for name in graphed.racing if name not in ("plain", "wgrad")]
+    assert stage_arms, graphed.racing
+    for _ in range(GRAPH_REPLAYS):
+        graphed(x, y)
+    torch.cuda.synchronize()
+    tuning = model.tuning
+    assert tuning is not None and tuning.as_graph, tuning
+    assert all(len(tuning.arm(name).step_ms) > 0 for name in stage_arms), str(tuning)  # type: ignore[union-attr]
+
+
 def test_make_graphed_callables_takes_a_wrapped_model_and_runs_its_stages_on_side_streams() -> None:
     plain = quickstart.build_model().to(DEVICE)
     model = ooo_wrap.OOOModule(copy.deepcopy(plain), streams=4, tune=False)  # dataflow
