@@ -16,6 +16,7 @@ import torch
 from .._errors import OOOConfigError
 from .._wrapper.registry import (
     is_wrapped,
+    let_go_of_graph,
     mark_graphed,
     plan_pending,
     race_as_graph,
@@ -89,12 +90,17 @@ def make_graphed_callables(callables: _T, sample_args: tuple[Any, ...], **kwargs
         tuner = race_as_graph(model)
         if tuner is not None:
             tuner.hold(tuner.arms[0])
-    with contextlib.ExitStack() as lifted:
+    try:
+        with contextlib.ExitStack() as lifted:
+            for model in models:
+                lifted.enter_context(root_hooks_lifted(model))
+            # Typed by torch for modules, functions and tuples of them; _T is one of those.
+            make: Any = torch.cuda.make_graphed_callables
+            graphed: _T = make(callables, sample_args, **kwargs)
+    except BaseException:
         for model in models:
-            lifted.enter_context(root_hooks_lifted(model))
-        # Typed by torch for modules, functions and tuples of them; _T is one of those.
-        make: Any = torch.cuda.make_graphed_callables
-        graphed: _T = make(callables, sample_args, **kwargs)
+            let_go_of_graph(model)  # nothing was graphed: they tune on eager steps again
+        raise
     for model in models:
         mark_graphed(model)
     return graphed

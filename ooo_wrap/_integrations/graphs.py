@@ -21,8 +21,9 @@ from .._compat import stale_capture_streams_overridden
 from .._errors import OOOConfigError, OOOError, positive_int
 from .._events import EventKind, OOOEvent
 from .._tensors import non_tensor_leaves
-from .._wrapper.registry import hold_for_graph, is_wrapped, race_as_graph
-from .graph_race import Capture, GraphRace
+from .._wrapper.registry import hold_for_graph, is_wrapped, let_go_of_graph, race_as_graph
+from .._wrapper.tuning import Shape, shape_of
+from .graph_race import Capture, Grads, GraphRace, bind_grads
 
 __all__ = ["GraphedStep", "graphed_step"]
 
@@ -89,6 +90,7 @@ class GraphedStep:
         self._step_fn = step_fn
         self._specs = specs
         self._race = race
+        self._grads: Grads | None = None  # the winner's, bound after its next replay
 
     def __call__(self, *args: torch.Tensor) -> Any:
         """Run one step on ``args``: copy them into the static buffers and replay, returning
@@ -105,14 +107,21 @@ class GraphedStep:
         for static, arg in zip(self.static_args, args, strict=True):
             if arg is not static:
                 static.copy_(arg)  # on the current stream, which the replay is queued on
+        if self._race is not None and self._race.decided:
+            self._keep_winner()  # decided by another graphed step of the model
         if self._race is None:
             assert self.graph is not None
             self.graph.replay()
+            if self._grads is not None:  # the first replay of the winner after the race
+                bind_grads(self._grads)
+                self._grads = None
             return self.static_outputs
-        self.static_outputs, decided = self._race.replay()
+        # This call's outputs and .grad are those of the graph replayed now, even when
+        # this replay decides for another arm.
+        outputs, decided = self._race.replay()
         if decided:
             self._keep_winner()
-        return self.static_outputs
+        return outputs
 
     @property
     def racing(self) -> tuple[str, ...]:
@@ -122,13 +131,10 @@ class GraphedStep:
 
     def _keep_winner(self) -> None:
         """The race decided: every call replays the winner's graph from now on."""
-        assert self._race is not None
-        winner, graph, self.static_outputs = self._race.winner()
+        race, self._race = self._race, None
+        assert race is not None
+        graph, self.static_outputs, self._grads = race.winner()
         self.graph = graph  # type: ignore[assignment]  # a CUDAGraph, as captured
-        self._race = None
-        logger.info(
-            "ooo_wrap.graphed_step: the %s arm won as a graph; the others are freed", winner
-        )
 
     def __repr__(self) -> str:
         return f"GraphedStep(captured={self.captured}, reason={self.reason!r})"
@@ -331,7 +337,7 @@ def _capture(
         with _wrapped_models_seen() as models:
             warm_up(warmup, check=True)
         try:
-            race = _graph_race(models, capture_arm)
+            race = _graph_race(models, capture_arm, shape_of(static_args, {}))
             graph, static_outputs = (None, None) if race is not None else capture()
         except Exception as error:
             raise _capture_failed(error) from error
@@ -368,28 +374,29 @@ def _wrapped_models_seen() -> Iterator[list[nn.Module]]:
     handle = register_module_forward_pre_hook(seen)
     try:
         yield models
+    except BaseException:
+        for model in models:
+            let_go_of_graph(model)  # the warm-up failed: nothing will race them
+        raise
     finally:
         handle.remove()
 
 
-def _graph_race(models: list[nn.Module], capture_arm: Capture) -> GraphRace | None:
+def _graph_race(models: list[nn.Module], capture_arm: Capture, shape: Shape) -> GraphRace | None:
     """Race the arms of the first tuning model the step runs as graphs; the others hold
-    plain (one model is raced at a time, as in eager tuning)."""
-    race: GraphRace | None = None
-    for model in models:
-        tuner = race_as_graph(model)
-        if tuner is None:
-            continue
-        if race is None:
-            race = GraphRace(model, tuner, capture_arm)
-            continue
-        tuner.hold(tuner.arms[0])
+    plain until it decides (one model is raced at a time, as in eager tuning)."""
+    tuning = [(model, tuner) for model in models if (tuner := race_as_graph(model))]
+    if not tuning:
+        return None
+    (model, tuner), others = tuning[0], [tuner for _, tuner in tuning[1:]]
+    for other in others:
+        other.hold(other.arms[0])  # before any capture: every graph holds it plain
         why = (
             "the step captured in a CUDA graph races another wrapped model's arms (one "
-            "model at a time): the graph holds this one plain, unmeasured as a graph"
+            "model at a time): the graphs hold this one plain, unmeasured as a graph"
         )
-        tuner.log.add(OOOEvent(EventKind.TUNED, "not_finished", why), level=logging.INFO)
-    return race
+        other.log.add(OOOEvent(EventKind.TUNED, "not_finished", why), level=logging.INFO)
+    return GraphRace(model, tuner, capture_arm, shape, others)
 
 
 def _capture_failed(error: Exception) -> OOOError:

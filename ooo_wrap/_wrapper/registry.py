@@ -23,6 +23,7 @@ __all__ = [
     "graph_race_decided",
     "hold_for_graph",
     "is_wrapped",
+    "let_go_of_graph",
     "mark_graphed",
     "plan_pending",
     "price_as_graph_replay",
@@ -154,6 +155,14 @@ def hold_for_graph(model: nn.Module) -> None:
         tuner.hold(tuner.active)  # it times nothing: its arms are raced as graphs next
 
 
+def let_go_of_graph(model: nn.Module) -> None:
+    """Undo ``hold_for_graph``: a tuning model times its eager steps again."""
+    state = wrapped.get(model)
+    tuner = None if state is None else state.tuner
+    if tuner is not None and tuner.held:
+        tuner.hold(None)
+
+
 def race_as_graph(model: nn.Module) -> Tuner | None:
     """The tuner whose arms ``graphed_step`` races as graphs for ``model``, or ``None``
     (not tuning). A decision measured on eager steps, or taken from the cache, is raced
@@ -168,10 +177,12 @@ def race_as_graph(model: nn.Module) -> Tuner | None:
     return state.tuner if state.phase is Phase.TUNING else None
 
 
-def graph_race_decided(model: nn.Module) -> None:
-    """The graph race of ``model`` decided: keep its winner's hooks, as eager tuning does."""
+def graph_race_decided(model: nn.Module, tuner: Tuner) -> None:
+    """``tuner``'s graph race of ``model`` decided: keep the winner's hooks, as eager
+    tuning does (a no-op if the model has another tuner now: replanned, or decided by
+    another graphed step of it)."""
     state = wrapped.get(model)
-    if state is not None and state.tuner is not None:
+    if state is not None and state.tuner is tuner:
         state.apply_decision(model)
 
 

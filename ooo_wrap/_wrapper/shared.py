@@ -109,6 +109,16 @@ class Shared:
         index = int(chosen.item())
         return names[index] if index >= 0 else "pending"
 
+    def everywhere(self, flags: Sequence[bool]) -> list[bool]:
+        """Each flag true on every rank (``flags`` the same length on each)."""
+        if self.world == 1:
+            return list(flags)
+        group = dist.group.WORLD
+        on = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else "cpu"
+        mask = torch.tensor([int(flag) for flag in flags], device=on)
+        dist.all_reduce(mask, op=dist.ReduceOp.MIN, group=group)
+        return [bool(value) for value in mask.tolist()]
+
     def _key_for(
         self, model: nn.Module, shape: Signature, optimizer: str | None
     ) -> dict[str, object]:

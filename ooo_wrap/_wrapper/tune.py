@@ -62,9 +62,8 @@ from .tuning import (
 if TYPE_CHECKING:
     from .._runtime.roots import RootHooks
 
-__all__ = ["GRAPH", "Switch", "Tuner"]
+__all__ = ["Switch", "Tuner"]
 
-GRAPH: Shape = ()  # the one input shape of a graph's replays (its static args)
 # Put an arm's hooks on (and the previous arm's off); returns the scheduler whose root
 # hooks the tuner calls, or None for plain.
 Switch = Callable[[Arm], "RootHooks | None"]
@@ -269,14 +268,24 @@ class Tuner:
         self.held = arm is not None
         if arm is not None:
             self._activate(arm)
+        elif self.as_graph and self.decision == "pending":
+            # Let go undecided: eager steps race again, from the start.
+            self.as_graph = False
+            self.race = Race(self.arms, self.steps, self.clock)
 
-    def replayed(self, arm: Arm | None, start: Mark, end: Mark) -> bool:
-        """A replay of ``arm``'s graph (``None``: a warm-up) ran between the marks; whether
-        the race is decided now. Not cached: the cache holds eager step times."""
+    def race_as_graphs(self) -> None:
+        """From now on the steps timed are graph replays: a race of eager steps so far is
+        dropped (their times do not apply to a replay)."""
+        if not self.as_graph:
+            self.as_graph = True
+            self.race = Race(self.arms, self.steps, self.clock)
+
+    def replayed(self, arm: Arm | None, shape: Shape, start: Mark, end: Mark) -> bool:
+        """A replay of ``arm``'s graph (``None``: a warm-up) at ``shape`` ran between the
+        marks; whether the race is decided now. Not cached: the cache holds eager steps."""
         self._opened += 1
         if arm is not None:
-            self.race.count(TimedStep(arm, GRAPH, self.race.stage, [start, end]))
-        self.as_graph = True
+            self.race.count(TimedStep(arm, shape, self.race.stage, [start, end]))
         return self._agreed(store=False)
 
     def _activate(self, arm: Arm) -> None:

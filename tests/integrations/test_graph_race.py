@@ -18,11 +18,15 @@ import torch
 from torch import nn
 
 import ooo_wrap
-from ooo_wrap import EventKind
-from ooo_wrap._integrations.graph_race import GraphRace
-from ooo_wrap._integrations.graphs import GraphedStep, _ArgSpec, _wrapped_models_seen
+from ooo_wrap._integrations.graphs import (
+    GraphedStep,
+    _ArgSpec,
+    _graph_race,
+    _wrapped_models_seen,
+)
 from ooo_wrap._wrapper import registry
 from ooo_wrap._wrapper.tune import Tuner
+from ooo_wrap._wrapper.tuning import shape_of
 from ooo_wrap.testing import SimulatedBackend
 from ooo_wrap.testing._simulated import StreamCall
 from tests.support.models import make_two_towers, two_tower_input
@@ -65,55 +69,92 @@ def _step_for(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _StandInGraph:
-    """Replaying runs the step eagerly with the arm held at capture held again."""
+    """A graph's stand-in: captured with an arm held, a replay runs the step eagerly with
+    that arm held again while the race runs (a real replay runs the kernels captured,
+    whatever hooks the model has now), then puts the arm held before back, and writes
+    the step's loss into the outputs the capture made, as a replay rewrites them."""
 
-    def __init__(self, step: Callable[[], Any], tuner: Tuner | None) -> None:
-        self.step, self.tuner = step, tuner
-        self.arm = None if tuner is None else tuner.active
+    def __init__(self, race: _Race, tuner: Tuner) -> None:
+        self.race, self.tuner, self.arm = race, tuner, tuner.active
+        self.outputs = torch.zeros(())
 
     def replay(self) -> None:
-        if self.tuner is not None and self.arm is not None and self.tuner.held:
+        racing = self.tuner.decision == "pending"
+        before = self.tuner.active
+        if racing:
             self.tuner.hold(self.arm)
-        self.step()
+        self.outputs.copy_(self.race.step(self.race.x))
+        if racing:
+            self.tuner.hold(before)
+        self.race.replayed.append(self)
 
 
 class _Race:
-    """A graphed step of ``model`` racing its arms through stand-in graphs."""
+    """A graphed step of the models that ``steps`` train (``model`` raced), its arms
+    captured as stand-in graphs, through graphed_step's own race set-up."""
 
-    def __init__(self, model: nn.Module, fail: str | None = None, warmup: int = 3) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        fail: str | None = None,
+        warmup: int = 3,
+        others: Sequence[nn.Module] = (),
+    ) -> None:
         self.step = _step_for(model)
+        other_steps = [_step_for(other) for other in others]
         self.x = two_tower_input()
-        self.captured: list[str] = []  # the arm held at each capture, in order
+        self.captured: list[tuple[str, ...]] = []  # the arms held at each capture
+        self.replayed: list[_StandInGraph] = []
         with _wrapped_models_seen() as models:
             for _ in range(warmup):
                 self.step(self.x)
-        assert models == [model]
-        tuner = registry.race_as_graph(model)
-        assert tuner is not None
-        self.tuner = tuner
+                for step in other_steps:
+                    step(self.x)
+        assert models == ([model, *others] if warmup else [])
+        models = [model, *others]
+        tuners = [registry.race_as_graph(each) for each in (model, *others)]
 
         def capture() -> tuple[_StandInGraph, Any]:
-            self.captured.append(tuner.active.name)
+            self.captured.append(tuple(t.active.name for t in tuners if t is not None))
+            tuner = tuners[0]
+            assert tuner is not None
             if tuner.active.name == fail:
                 raise RuntimeError("operation not permitted when stream is capturing")
-            return _StandInGraph(lambda: self.step(self.x), tuner), torch.zeros(())
+            graph = _StandInGraph(self, tuner)
+            return graph, graph.outputs
 
-        race = GraphRace(model, tuner, capture)
+        race = _graph_race(models, capture, shape_of((self.x,), {}))
+        assert race is not None
+        self.tuner = tuners[0]
         specs = (_ArgSpec.of(self.x),)
         self.graphed = GraphedStep(
             self.step, specs, "captured", "stand-in", None, (self.x,), race=race
         )
 
+    def call(self) -> Any:
+        """One call of the graphed step; checks it returned the outputs of the graph it
+        replayed."""
+        out = self.graphed(self.x)
+        assert out is self.replayed[-1].outputs
+        return out
+
     def until_decided(self, calls: int = 200) -> int:
         for call in range(calls):
             if not self.graphed.racing:
                 return call
-            self.graphed(self.x)
+            self.call()
         raise AssertionError(f"not decided after {calls} calls")
 
 
-def _kinds(model: nn.Module) -> list[tuple[EventKind, str]]:
-    return [(e.kind, e.reason) for e in ooo_wrap.events_for(model)]
+def _train_until_decided(
+    model: nn.Module, step: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> None:
+    step, x, steps = step or _step_for(model), two_tower_input(), 200
+    for _ in range(steps):
+        step(x)
+        if model.tuning is not None and model.tuning.decision != "pending":
+            return
+    raise AssertionError(f"eager tuning did not decide in {steps} steps")
 
 
 def test_the_warm_up_of_a_graphed_step_times_nothing() -> None:
@@ -123,29 +164,34 @@ def test_the_warm_up_of_a_graphed_step_times_nothing() -> None:
     assert not any(call.op == "record_timing_event" for call in backend.log)
     assert model.tuning is not None and model.tuning.decision == "pending"
     assert all(not arm.step_ms for arm in model.tuning.arms)
-    assert race.captured == ["plain", "static"]  # each arm captured with its hooks held
+    assert race.captured == [("plain",), ("static",)]  # each arm captured with its hooks
 
 
-def test_the_arms_race_as_graphs_and_the_winner_is_captured_for_good() -> None:
+def test_the_arms_race_as_graphs_and_the_winner_is_kept() -> None:
     model, _ = _wrap(8.0, 10.0)
     race = _Race(model)
     assert race.graphed.racing == ("plain", "static") and race.graphed.captured
-    calls = race.until_decided()
+    assert race.graphed.graph is None  # one graph per arm while racing
+    calls = race.until_decided()  # every call returns the outputs of the graph replayed
     tuning = model.tuning
     assert tuning is not None and tuning.decision == "static" and tuning.as_graph
     assert "graph" in tuning.compared
     assert set(tuning.arm("static").step_ms) == {8.0}  # type: ignore[union-attr]
     assert set(tuning.arm("plain").step_ms) == {10.0}  # type: ignore[union-attr]
-    kept = [
-        e for e in ooo_wrap.events_for(model) if (e.kind, e.reason) == (EventKind.TUNED, "kept")
-    ]
+    # Warm-up replays apart, the steps counted are the replays: nothing else.
+    assert sum(len(arm.step_ms) for arm in tuning.arms) + len(tuning.confirmation) <= calls
+    kept = [e for e in ooo_wrap.events_for(model) if e.reason == "kept"]
     assert kept and "graph replays" in kept[-1].message
-    kept_graph = race.graphed.graph
-    assert isinstance(kept_graph, _StandInGraph) and kept_graph.arm is not None
-    assert kept_graph.arm.name == "static" and calls > 0
+    graph = race.graphed.graph
+    assert isinstance(graph, _StandInGraph) and graph.arm.name == "static"
     assert model.plan.stages and not registry.runs_plain(model)  # the winner's hooks
-    for param in model.parameters():  # bound to the kept graph's gradient buffers
-        assert param.grad is not None
+    assert race.graphed.static_outputs is graph.outputs
+    # From the winner's next replay on, .grad are its graph's buffers.
+    kept_grads = race.graphed._grads
+    assert kept_grads is not None
+    race.call()
+    assert race.replayed[-1] is graph
+    assert all(param.grad is grad for param, grad in kept_grads)
 
 
 def test_plain_kept_as_a_graph_runs_plain() -> None:
@@ -169,13 +215,60 @@ def test_an_arm_that_cannot_be_captured_leaves_the_race() -> None:
     assert "no arm could be raced" in model.tuning.why
 
 
+def test_plain_that_cannot_be_captured_raises_and_lets_the_tuner_go() -> None:
+    model, _ = _wrap(8.0, 10.0)
+    with pytest.raises(RuntimeError, match="operation not permitted"):
+        _Race(model, fail="plain")
+    state = registry.wrapped[model]
+    assert state.tuner is not None and not state.tuner.held
+    _train_until_decided(model)  # it tunes on eager steps again
+    assert model.tuning is not None and not model.tuning.as_graph
+
+
+def test_a_warm_up_that_raises_lets_the_tuners_go() -> None:
+    model, _ = _wrap(8.0, 10.0)
+    step, x = _step_for(model), two_tower_input()
+    step(x)  # plain's eager warm-up: the tuner exists
+    with pytest.raises(ValueError, match="boom"), _wrapped_models_seen():
+        step(x)
+        raise ValueError("boom")
+    state = registry.wrapped[model]
+    assert state.tuner is not None and not state.tuner.held
+    _train_until_decided(model, step)
+
+
+def test_a_graphed_step_dropped_undecided_lets_the_tuner_go() -> None:
+    import gc
+
+    model, _ = _wrap(8.0, 10.0)
+    race = _Race(model)
+    race.call()
+    tuner = race.tuner
+    assert tuner is not None and tuner.held
+    del race
+    gc.collect()
+    assert not tuner.held
+    _train_until_decided(model)
+
+
+def test_an_undecided_eager_race_is_dropped_for_the_graphs() -> None:
+    model, _ = _wrap(8.0, 10.0)
+    step, x = _step_for(model), two_tower_input()
+    for _ in range(40):  # until both arms have counted eager steps, undecided
+        step(x)
+        assert model.tuning is not None and model.tuning.decision == "pending"
+        if all(arm.step_ms for arm in model.tuning.arms):
+            break
+    assert all(arm.step_ms for arm in model.tuning.arms)
+    race = _Race(model)
+    assert all(not arm.step_ms for arm in model.tuning.arms)  # the eager steps are dropped
+    race.until_decided()
+    assert model.tuning.as_graph and model.tuning.shapes == 1
+
+
 def test_a_decision_from_eager_steps_is_raced_again_as_a_graph() -> None:
     model, _ = _wrap(8.0, 10.0)
-    x = two_tower_input()
-    for _ in range(200):
-        model(x).sum().backward()
-        if model.tuning is not None and model.tuning.decision != "pending":
-            break
+    _train_until_decided(model)
     assert model.tuning is not None and model.tuning.decision == "static"
     assert not model.tuning.as_graph
     race = _Race(model)  # the eager decision does not apply to a replay
@@ -184,6 +277,35 @@ def test_a_decision_from_eager_steps_is_raced_again_as_a_graph() -> None:
     assert model.tuning.as_graph
     # A decision measured as a graph stands for the next graphed step.
     assert registry.race_as_graph(model) is None
+
+
+def test_a_second_graphed_step_of_the_model_adopts_the_decision() -> None:
+    model, _ = _wrap(8.0, 10.0)
+    first = _Race(model)
+    second = _Race(model, warmup=0)  # the same race, fed by both
+    assert second.tuner is first.tuner
+    first.until_decided()
+    assert second.graphed.racing  # not told yet
+    second.call()
+    assert not second.graphed.racing and isinstance(second.graphed.graph, _StandInGraph)
+    assert second.graphed.graph.arm.name == model.tuning.decision  # type: ignore[union-attr]
+
+
+def test_a_decision_for_a_replanned_model_is_not_applied() -> None:
+    backend = SimulatedBackend(step_time=lambda calls: 8.0 if _forked(calls) else 10.0)
+    model = ooo_wrap.OOOModule(
+        make_two_towers(), backend=backend, stages=STAGES, split_weight_grads=False
+    )  # the dataflow planner: replan() learns again
+    step, x = _step_for(model), two_tower_input()
+    step(x)  # learned: tuning
+    old = registry.wrapped[model].tuner
+    assert old is not None
+    model.replan()
+    step(x)  # learned again: a new tuner, undecided
+    new = registry.wrapped[model].tuner
+    assert new is not None and new is not old
+    registry.graph_race_decided(model, old)  # the race of a tuner the model no longer has
+    assert registry.wrapped[model].tuner is new and model.tuning.decision == "pending"  # type: ignore[union-attr]
 
 
 def test_a_plan_learned_in_a_graphed_step_is_priced_as_a_graph_replay() -> None:
@@ -197,22 +319,22 @@ def test_a_plan_learned_in_a_graphed_step_is_priced_as_a_graph_replay() -> None:
     assert estimate is not None and estimate.graphed and model.plan.stages
 
 
-def test_a_second_tuning_model_in_the_step_holds_plain_and_says_so() -> None:
+def test_a_second_tuning_model_in_the_step_is_held_plain_until_the_race_ends() -> None:
     first, _ = _wrap(8.0, 10.0)
     second, _ = _wrap(8.0, 10.0)
-    step_first, step_second = _step_for(first), _step_for(second)
-    x = two_tower_input()
-    with _wrapped_models_seen() as models:
-        for _ in range(3):
-            step_first(x)
-            step_second(x)
-    assert models == [first, second]
-    from ooo_wrap._integrations.graphs import _graph_race
-
-    race = _graph_race(models, lambda: (_StandInGraph(lambda: None, None), None))
-    assert race is not None and race.arms == ("plain", "static")
-    held = [e for e in ooo_wrap.events_for(second) if e.reason == "not_finished"]
-    assert held and "one model at a time" in held[0].message
+    step, x = _step_for(second), two_tower_input()
+    step(x)
+    step(x)  # the static arm's warm-up step: the second model runs that arm now
+    assert registry.wrapped[second].tuner.active.name == "static"  # type: ignore[union-attr]
+    race = _Race(first, others=[second])
+    # Every capture held the second model plain, whatever arm it ran before.
+    assert [held for _, held in race.captured] == ["plain", "plain"]
+    events = [e for e in ooo_wrap.events_for(second) if e.reason == "not_finished"]
+    assert events and "one model at a time" in events[0].message
+    other = registry.wrapped[second].tuner
+    assert other is not None and other.held
+    race.until_decided()
+    assert not other.held  # let go: its eager steps tune again
 
 
 @pytest.mark.parametrize("grads_of", ["plain", "static"])
@@ -224,10 +346,10 @@ def test_each_replay_binds_the_gradients_of_its_own_graph(grads_of: str) -> None
     for name, captured in graphs.items():
         captured.grads = [(p, torch.full_like(p, float(len(name)))) for p, _ in captured.grads]
     for _ in range(4):
-        race.graphed(race.x)
-        if race.graphed._race.replaying == grads_of:
+        race.call()
+        if race.graphed._race.replaying == grads_of:  # type: ignore[union-attr]
             break
-    replayed = race.graphed._race.replaying
+    replayed = race.graphed._race.replaying  # type: ignore[union-attr]
     assert replayed == grads_of
     for param in model.parameters():
         assert param.grad is not None and torch.all(param.grad == len(replayed))
