@@ -372,3 +372,23 @@ def test_the_arms_of_a_step_learned_for_a_graph_include_regions_eager_pricing_re
 
     eager, graphed = arms(False), arms(True)
     assert "regions" in graphed and "regions" not in eager, (eager, graphed)
+
+
+def _rank_race(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 cannot capture the static arm: it leaves the race on both ranks."""
+    torch.manual_seed(0)
+    model, _ = _wrap(8.0, 10.0)
+    race = _Race(model, fail="static" if rank == 1 else None)
+    arms = race.graphed.racing
+    race.until_decided()
+    torch.distributed.barrier()  # leave together (gloo's teardown)
+    assert model.tuning is not None
+    return {"arms": arms, "decision": model.tuning.decision}
+
+
+def test_an_arm_one_rank_cannot_capture_leaves_the_race_on_every_rank() -> None:
+    from tests.support.distributed import run_ranks
+
+    results = run_ranks(_rank_race, timeout=300.0)
+    assert [r["arms"] for r in results] == [("plain",), ("plain",)]
+    assert [r["decision"] for r in results] == ["plain", "plain"]
