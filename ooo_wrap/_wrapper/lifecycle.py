@@ -44,7 +44,7 @@ from .phases import ALL, PARTS, Part, Phase, transition
 from .racing import ArmHooks, Schedulers
 from .shared import Shared
 from .split import devices, plan_device, split_event
-from .tune import Tuner
+from .tune import Shape, Tuner, shape_of
 from .tuning import Tuning, kept_event, slower_why
 
 __all__ = ["Phase", "WrapState", "devices"]
@@ -76,6 +76,9 @@ class WrapState:
     arms: tuple[Arm, ...] = field(default=(), init=False)
     # The last tuning, as far as it got; None if it never tuned.
     decided: Tuning | None = field(default=None, init=False)
+    # The input shapes of the forward the plan was learned on (a cached decision stands
+    # only for shapes it raced); None if no forward was observed.
+    learned_on: Shape | None = field(default=None, init=False)
     _hooks: dict[Part, list[RemovableHandle]] = field(
         default_factory=lambda: {part: [] for part in ALL}, init=False
     )
@@ -214,6 +217,7 @@ class WrapState:
                 model.register_forward_hook(self._learner_post, with_kwargs=True, always_call=True)
             )
             self.plan = pending_plan(options.streams)
+            self.learned_on = None
             self._enter(Phase.LEARNING)
 
     def _learner_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -222,6 +226,7 @@ class WrapState:
 
     def _learner_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if (learner := self.learner) is not None and (learned := learner.post_hook(module)):
+            self.learned_on = shape_of(args, kwargs)
             self._learned(module, learned)
 
     def _learned(self, model: nn.Module, learned: Learned) -> None:
@@ -276,7 +281,7 @@ class WrapState:
             racing = ArmHooks(model, self._schedulers, [layer for _, layer in layers])
             racing.handles = self._hooks["arm"]
             self.racing = racing
-            shared = Shared(model, options, arms, device, recall=recall)
+            shared = Shared(model, options, arms, device, recall=recall, learned_on=self.learned_on)
             parts = (self.backend, self.log, device, clock, options.tune_steps, self.accumulators)
             self.tuner = tuner = Tuner(arms, racing.switch, *parts, shared, model)
             hooks = self._hooks["tuner"]
@@ -299,11 +304,14 @@ class WrapState:
         self._remove("tuner", "arm")
         self._enter(Phase.STOPPED)
         self.decided = record
+        # A decision from the cache (taken as is, or confirmed now or not) says so.
+        cached = OOOEvent(EventKind.TUNED, "cached", record.why) if tuner.recalled else None
         if winner.is_plain:
-            self._stop(Reason.MEASURED_SLOWER, slower_why(record))
+            if cached is not None:
+                self.log.add(cached, level=logging.INFO)
+            self._stop(Reason.MEASURED_SLOWER, record.why if cached else slower_why(record))
             return
         self._schedule(module, winner)
-        cached = OOOEvent(EventKind.TUNED, "cached", record.why) if tuner.recalled else None
         self.log.add(cached or kept_event(record), level=logging.INFO)
 
     def _stop(self, reason: str, why: str) -> None:

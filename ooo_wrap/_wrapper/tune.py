@@ -59,12 +59,12 @@ from .._tensors import tensors_in
 from .arms import Arm
 from .shared import Shared
 from .steps import StepBounds, Turns
-from .tuning import MAX_ROUNDS, ArmTiming, Stage, Tuning, compare, fastest
+from .tuning import MAX_ROUNDS, ArmTiming, Stage, Tuning, compare, fastest, figures
 
 if TYPE_CHECKING:
     from .._runtime.roots import RootHooks
 
-__all__ = ["Switch", "Tuner"]
+__all__ = ["Shape", "Switch", "Tuner", "shape_of"]
 
 Shape = tuple[tuple[torch.Size, torch.dtype], ...]
 # Put an arm's hooks on (and the previous arm's off); returns the scheduler whose root
@@ -132,7 +132,7 @@ class Tuner:
         self.decision = "pending"  # what every rank keeps, once agreed
         self._verdict = "pending"  # what this rank found
         self.why = ""
-        self.recalled = False  # decided from the cache (shared.py)
+        self.recalled = False  # decided from the cache (shared.py), or confirming its arm
         self.active: Arm = self.arms[0]
         self.scheduler: RootHooks | None = None
         self._bounds = StepBounds(model)  # 1.
@@ -220,11 +220,13 @@ class Tuner:
             step.marks.append(mark)
             if step.arm is not None and len(step.marks) % 2 == 0:
                 self._closed.append(step)
+            if self._opened == 1:  # the first step told which optimizer updates the model
+                self._recall(step.shape)
         self._opened += 1
         self._opened_in_stage += 1
-        shape = _shape_of(args, kwargs)
+        shape = shape_of(args, kwargs)
         arm: Arm | None = None
-        if eligible:
+        if eligible and self._stage != "decided":
             turn = self._rotation.get(shape, 0)
             self._rotation[shape] = turn + 1
             arm = self._racing[turn % len(self._racing)]
@@ -232,8 +234,6 @@ class Tuner:
             if (arm.name, shape) not in self._warmed:
                 self._warmed.add((arm.name, shape))
                 arm = None  # 2. its warm-up
-        if self._opened == 2 and step is not None:
-            self._recall(step.shape)  # the first step told which optimizer updates the model
         self._open = _Step(arm, shape, self._stage, [mark])
         self._frames.append(_Frame(module, self._open, self.scheduler))
         return self.scheduler
@@ -273,8 +273,8 @@ class Tuner:
         if agreed not in ("pending", self._verdict):
             self.why = "rank 0's decision, taken by every rank"
         self.decision = agreed
-        if agreed != "pending" and not self.recalled:
-            self.shared.store(self.record())
+        if agreed not in ("pending", self.shared.recalled):  # not the cache's own decision
+            self.shared.store(self.record(), {s.shape for s in self._closed if s.arm})
         return agreed != "pending"
 
     def _activate(self, arm: Arm) -> None:
@@ -308,12 +308,16 @@ class Tuner:
         }
         if stage == "confirming":
             (verdict,) = verdicts.values()
-            winner = self._racing[1]
-            if verdict == "faster":
-                self._decided(winner, "faster than plain in the race and confirmed alone")
-            elif verdict == "not_faster":
-                self._decided(self.arms[0], f"{winner.name} was not faster when confirmed alone")
-            return
+            if verdict == "pending":
+                return
+            winner, kept = self._racing[1], verdict == "faster"
+            if self.recalled:  # the cache's arm, confirmed or not
+                why = self.shared.confirmed_why(winner.name, figures(self.record()), kept=kept)
+            elif kept:
+                why = "faster than plain in the race and confirmed alone"
+            else:
+                why = f"{winner.name} was not faster when confirmed alone"
+            return self._decided(winner if kept else self.arms[0], why)
         # Racing: arms measured slower than plain leave; the rest race on while unclear.
         if not final:
             self._racing = [arm for arm in self._racing if verdicts.get(arm.name) != "not_faster"]
@@ -343,13 +347,17 @@ class Tuner:
         self._verdict, self.why, self._stage = arm.name, why, "decided"
 
     def _recall(self, shape: Shape) -> None:
-        """A decision the cache holds for this model (``shared.py``), if any."""
-        hit = self.shared.recall(shape, self._bounds.optimizer)
-        if hit is not None:
-            self.recalled = True
-            arm = next(arm for arm in self.arms if arm.name == hit[0])
-            self._decided(arm, hit[1])
-            self._activate(arm)
+        """A decision the cache holds (``shared.py``), if any: it stands, or its arm (not
+        plain) goes to the confirmation round (``tune_cache_confirm``)."""
+        name = self.shared.recall(shape, self._bounds.optimizer)
+        arm = next((arm for arm in self.arms if arm.name == name), None)
+        if arm is None:
+            return
+        self.recalled = True
+        if self.shared.confirm and not arm.is_plain:
+            return self._confirm(arm)
+        self._decided(arm, self.shared.cached_why())
+        self._activate(arm)
 
     def _elapsed(self, marks: list[Mark]) -> float:
         """The step's time: start to end, less each evaluation forward cut out."""
@@ -372,7 +380,8 @@ def _lost_turn(holder: object) -> None:
         holder._open.arm = None  # its open step held another model's work
 
 
-def _shape_of(args: Any, kwargs: Any) -> Shape:
+def shape_of(args: Any, kwargs: Any) -> Shape:
+    """The shapes and dtypes of a forward's input tensors, in order."""
     return tuple((t.shape, t.dtype) for t in tensors_in(args) + tensors_in(kwargs))
 
 
