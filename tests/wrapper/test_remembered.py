@@ -231,12 +231,13 @@ def test_a_second_process_is_decided_with_no_tuning_step(tmp_path: Path) -> None
     assert int(runs[0][0]) > 20 and runs[1][0] == "3"
 
 
-def _ranks_agree(rank: int, world_size: int, cache: str) -> dict[str, Any]:
+def _ranks_agree(rank: int, world_size: int, cache: str, confirm: bool = False) -> dict[str, Any]:
     """Each rank's clock favours another arm; only rank 0 may have a cache."""
     times = {"plain": 10.0, "wgrad": 8.0} if rank == 0 else {"plain": 10.0, "static": 8.0}
     torch.manual_seed(0)
     setting = cache if rank == 0 and cache else False
-    model = wrap_timed(ThreeTowers(), ArmClock(times, noise=0.01, seed=rank), tune_cache=setting)
+    clock = ArmClock(times, noise=0.01, seed=rank)
+    model = wrap_timed(ThreeTowers(), clock, tune_cache=setting, tune_cache_confirm=confirm)
     steps = train(model, 400)
     assert model.tuning is not None
     # Both ranks leave together: one that tears the group down while the other is still
@@ -245,7 +246,7 @@ def _ranks_agree(rank: int, world_size: int, cache: str) -> dict[str, Any]:
     return {"decision": model.tuning.decision, "steps": steps}
 
 
-def test_ddp_ranks_keep_rank_0s_arm_measured_and_from_a_cache_on_rank_0(tmp_path: Path) -> None:
+def test_ddp_ranks_keep_rank_0s_arm_measured_cached_or_confirmed_on_rank_0(tmp_path: Path) -> None:
     measured = run_ranks(_ranks_agree, str(tmp_path), timeout=300.0)  # fills rank 0's cache
     assert [r["decision"] for r in measured] == ["wgrad", "wgrad"]
     assert measured[0]["steps"] == measured[1]["steps"] > 20
@@ -253,3 +254,7 @@ def test_ddp_ranks_keep_rank_0s_arm_measured_and_from_a_cache_on_rank_0(tmp_path
     assert [r["decision"] for r in cached] == ["wgrad", "wgrad"]
     # Rank 0 recalled it at the first step; the ranks agree at the next common forward.
     assert cached[0]["steps"] == cached[1]["steps"] < measured[0]["steps"]
+    # Rank 0 confirms its cached arm while rank 1 races: both keep rank 0's, together.
+    confirmed = run_ranks(_ranks_agree, str(tmp_path), True, timeout=300.0)
+    assert [r["decision"] for r in confirmed] == ["wgrad", "wgrad"]
+    assert cached[0]["steps"] < confirmed[0]["steps"] == confirmed[1]["steps"]
