@@ -83,9 +83,8 @@ class OOOModule(nn.Module):
             arms raced besides plain (3); one arm to run by name, racing nothing.
         tune_cache: where decisions are remembered (``False``: nowhere; ``None``:
             ``OOO_WRAP_CACHE`` or ``~/.cache/ooo_wrap``); docs/tuning-and-performance.md.
-        tune_cache_confirm: time a cached arm (not plain) alone against plain on fresh
-            steps before keeping it; if it is not faster, plain is kept and the cache
-            overwritten. Off by default: a cached decision stands, nothing measured.
+        tune_cache_confirm: time a cached arm (not plain) alone against plain before
+            keeping it (off: it stands); not faster: plain is kept, the cache overwritten.
         gpu: the reference GPU the ``dataflow`` planner estimates on: an
             ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (the GPU kit writes one
             measured on its device); ``None`` for the H200 datasheet figures.

@@ -39,7 +39,6 @@ only that arm's hooks, plain runs none, and once decided only the winner's remai
 from __future__ import annotations
 
 import logging
-import statistics
 import sys
 import weakref
 from collections.abc import Callable, Sequence
@@ -59,7 +58,7 @@ from .._tensors import tensors_in
 from .arms import Arm
 from .shared import Shared
 from .steps import StepBounds, Turns
-from .tuning import MAX_ROUNDS, ArmTiming, Stage, Tuning, compare, fastest, figures
+from .tuning import MAX_ROUNDS, Stage, Tuning, compare, fastest, figures, timing
 
 if TYPE_CHECKING:
     from .._runtime.roots import RootHooks
@@ -147,10 +146,10 @@ class Tuner:
     def record(self) -> Tuning:
         """The tuning so far (step times read only from marks the device has passed)."""
         racing = [s for s in self._closed if s.stage == "racing"]
-        arms = tuple(_timing(arm, racing) for arm in self.arms)
+        arms = tuple(timing(arm, racing) for arm in self.arms)
         confirming = [s for s in self._closed if s.stage == "confirming"]
         pair = () if self._confirming is None else (self.arms[0], self._confirming)
-        confirmation = tuple(_timing(arm, confirming) for arm in pair)
+        confirmation = tuple(timing(arm, confirming) for arm in pair)
         shapes = len({s.shape for s in self._closed if s.ms is not None})
         device = self.clock.device_name
         return Tuning(self.decision, arms, device, confirmation, shapes, self._stage, self.why)
@@ -300,7 +299,7 @@ class Tuner:
         for step in counted:
             if step.ms is None and all(self.clock.done(mark) for mark in step.marks):
                 step.ms = self._elapsed(step.marks)
-        timings = {arm.name: _timing(arm, counted) for arm in self._racing}
+        timings = {arm.name: timing(arm, counted) for arm in self._racing}
         plain = timings[self.arms[0].name].relative
         verdicts = {
             arm.name: compare(timings[arm.name].relative, plain, self.steps, final=final)
@@ -383,26 +382,3 @@ def _lost_turn(holder: object) -> None:
 def shape_of(args: Any, kwargs: Any) -> Shape:
     """The shapes and dtypes of a forward's input tensors, in order."""
     return tuple((t.shape, t.dtype) for t in tensors_in(args) + tensors_in(kwargs))
-
-
-def _timing(arm: Arm, steps: Sequence[_Step]) -> ArmTiming:
-    """``arm``'s counted steps, each also relative to plain's median at its shape."""
-    timed = [s for s in steps if s.ms is not None]
-    plain_at: dict[Shape, list[float]] = {}
-    for step in timed:
-        if step.arm is not None and step.arm.is_plain:
-            plain_at.setdefault(step.shape, []).append(step.ms)  # type: ignore[arg-type]
-    medians = {shape: statistics.median(ms) for shape, ms in plain_at.items()}
-    mine = [s for s in timed if s.arm is arm]
-    relative = tuple(
-        s.ms / medians[s.shape]  # type: ignore[operator]
-        for s in mine
-        if s.shape in medians and medians[s.shape] > 0
-    )
-    return ArmTiming(
-        arm.name,
-        tuple(s.ms for s in mine),  # type: ignore[misc]
-        relative,
-        arm.estimate_us,
-        arm.estimate_gpu,
-    )

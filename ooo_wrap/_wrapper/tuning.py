@@ -15,9 +15,9 @@ times the steps, then plain wins. Anything unmeasured keeps plain.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from .._events import EventKind, OOOEvent
 from .arms import Arm
@@ -26,6 +26,7 @@ __all__ = [
     "MAX_ROUNDS",
     "MIN_GAIN",
     "ArmTiming",
+    "Counted",
     "Tuning",
     "Verdict",
     "compare",
@@ -33,6 +34,7 @@ __all__ = [
     "figures",
     "kept_event",
     "slower_why",
+    "timing",
 ]
 
 # The smallest gain worth side streams: below it, run-to-run noise on a busy host and the
@@ -230,3 +232,31 @@ def fastest(faster: Sequence[Arm], timings: Mapping[str, ArmTiming]) -> Arm:
     spread = max((timings[arm.name].spread or 0.0) for arm in faster)
     close = [arm for arm in faster if median(arm) <= best * (1 + max(spread, MIN_GAIN))]
     return min(close, key=Arm.simplicity)
+
+
+class Counted(Protocol):
+    """One counted step as the tuner keeps it (``tune.py``)."""
+
+    @property
+    def arm(self) -> Arm | None: ...  # None: not counted after all
+    @property
+    def shape(self) -> Hashable: ...  # its input shapes and dtypes
+    @property
+    def ms(self) -> float | None: ...  # None until read
+
+
+def timing(arm: Arm, steps: Sequence[Counted]) -> ArmTiming:
+    """``arm``'s counted steps, each also relative to plain's median at its shape."""
+    timed = [(s.arm, s.shape, s.ms) for s in steps if s.ms is not None]
+    plain_at: dict[Hashable, list[float]] = {}
+    for which, shape, ms in timed:
+        if which is not None and which.is_plain:
+            plain_at.setdefault(shape, []).append(ms)
+    medians = {shape: statistics.median(ms) for shape, ms in plain_at.items()}
+    mine = [(shape, ms) for which, shape, ms in timed if which is arm]
+    relative = tuple(
+        ms / medians[shape] for shape, ms in mine if shape in medians and medians[shape] > 0
+    )
+    return ArmTiming(
+        arm.name, tuple(ms for _, ms in mine), relative, arm.estimate_us, arm.estimate_gpu
+    )
