@@ -28,7 +28,16 @@ from torch import nn
 
 from .._errors import OOOConfigError, warn_user
 
-__all__ = ["ENV", "FORMAT", "TuningCache", "cache_dir", "key_digest", "tuning_key"]
+__all__ = [
+    "ENV",
+    "FORMAT",
+    "TuningCache",
+    "cache_dir",
+    "holds_shape",
+    "key_digest",
+    "shapes_data",
+    "tuning_key",
+]
 
 ENV = "OOO_WRAP_CACHE"
 # The file layout's version: a file written in another format misses (and is overwritten).
@@ -91,7 +100,7 @@ def tuning_key(
     *,
     options: Mapping[str, object],
     plan_fingerprint: str,
-    shapes: Iterable[Signature],
+    dtypes: Iterable[torch.dtype],
     optimizer: str | None,
     world_size: int,
     device: torch.device | None,
@@ -100,7 +109,8 @@ def tuning_key(
 
     The model's structure (module names and classes; parameter shapes, dtypes and
     ``requires_grad``, in order; not values), the plan's fingerprint, the options, the
-    set of input signatures raced, the autocast dtype in force for ``device`` here, the
+    input tensors' dtypes in order (not their shapes: a record holds the set of input
+    shapes raced, :func:`shapes_data`), the autocast dtype in force for ``device`` here, the
     optimizer's type, the world size, the device (``None``: unknown; for CUDA, read only
     once CUDA is initialized: name, capability, SMs and memory, which tell MIG slices
     apart), the software versions and the math settings that change kernels.
@@ -113,7 +123,7 @@ def tuning_key(
         "model": _structure(model),
         "plan": plan_fingerprint,
         "options": {str(name): _option(str(name), value) for name, value in options.items()},
-        "inputs": [json.loads(one) for one in sorted({_signature(one) for one in shapes})],
+        "input_dtypes": [str(dtype) for dtype in dtypes],
         "autocast": _autocast(device),
         "optimizer": optimizer,
         "world_size": world_size,
@@ -137,6 +147,20 @@ def tuning_key(
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         },
     }
+
+
+def shapes_data(signatures: Iterable[Signature]) -> list[object]:
+    """The set of input signatures ``signatures`` as JSON data, for a record: sorted, each
+    once."""
+    return [json.loads(one) for one in sorted({_signature(one) for one in signatures})]
+
+
+def holds_shape(stored: object, signature: Signature) -> bool:
+    """Whether ``stored`` (a record's :func:`shapes_data`) holds ``signature``."""
+    if not isinstance(stored, list):  # a record without its set of shapes: none holds it
+        return False
+    mine = _signature(signature)
+    return any(_canonical(one) == mine for one in stored)
 
 
 def key_digest(key: Mapping[str, object]) -> str:

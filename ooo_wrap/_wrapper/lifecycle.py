@@ -7,8 +7,8 @@ Its phases, their hooks and the legal transitions are one table (``phases.py``).
 
 From outside: ``replan()`` moves any other phase to ``LEARNING``; ``retune()`` moves
 ``SCHEDULED`` and ``STOPPED`` (with candidates) to ``TUNING``; ``unwrap()`` moves any
-phase to ``UNWRAPPED``. Those
-three are refused inside a forward of the model and change nothing then. A transition
+phase to ``UNWRAPPED``. Those three are refused inside a forward of the model and change
+nothing then. A transition
 that adds hooks and fails removes what it added and leaves the phase as it was before
 them (``replan()`` has taken the old hooks off by then, so a failure there leaves the
 model ``STOPPED``, running plain). A wrap state never refers to its model (the hooks are
@@ -45,7 +45,7 @@ from .racing import ArmHooks, Schedulers
 from .shared import Shared
 from .split import devices, plan_device, split_event
 from .tune import Tuner
-from .tuning import Tuning, kept_event, slower_why
+from .tuning import Shape, Tuning, kept_event, shape_of, slower_why
 
 __all__ = ["Phase", "WrapState", "devices"]
 
@@ -76,6 +76,9 @@ class WrapState:
     arms: tuple[Arm, ...] = field(default=(), init=False)
     # The last tuning, as far as it got; None if it never tuned.
     decided: Tuning | None = field(default=None, init=False)
+    # The input shapes of the forward the plan was learned on (a cached decision stands
+    # only for shapes it raced); None if no forward was observed.
+    learned_on: Shape | None = field(default=None, init=False)
     _hooks: dict[Part, list[RemovableHandle]] = field(
         default_factory=lambda: {part: [] for part in ALL}, init=False
     )
@@ -123,10 +126,8 @@ class WrapState:
         self._remove(*ALL)
         self._enter(Phase.STOPPED)
         self._learn(model, device)
-        self.log.add(
-            OOOEvent(EventKind.PLANNED, "replan", "the plan is learned again on the next forward"),
-            level=logging.INFO,
-        )
+        again = "the plan is learned again on the next forward"
+        self.log.add(OOOEvent(EventKind.PLANNED, "replan", again), level=logging.INFO)
 
     def retune(self, model: nn.Module) -> None:
         """Race the candidate arms again, from the next forward."""
@@ -158,17 +159,13 @@ class WrapState:
             self._enter(Phase.STOPPED)
             if not active.is_plain:
                 self._schedule(model, active)
-            self.log.add(
-                OOOEvent(
-                    EventKind.TUNED,
-                    "not_finished",
-                    f"the forward replays a CUDA graph now, which holds the {active.name} arm, "
-                    "unmeasured as a graph: tuning stopped (eager step times do not apply to a "
-                    "replay); ooo_wrap.graphed_step races the arms as graphs, or pin one with "
-                    "tune_arm=...",
-                ),
-                level=logging.INFO,
+            why = (
+                f"the forward replays a CUDA graph now, which holds the {active.name} arm, "
+                "unmeasured as a graph: tuning stopped (eager step times do not apply to a "
+                "replay); ooo_wrap.graphed_step races the arms as graphs, or pin one with "
+                "tune_arm=..."
             )
+            self.log.add(OOOEvent(EventKind.TUNED, "not_finished", why), level=logging.INFO)
         if self.scheduler is not None:
             self.scheduler.stages_replay_in_a_graph()
 
@@ -215,6 +212,7 @@ class WrapState:
                 model.register_forward_hook(self._learner_post, with_kwargs=True, always_call=True)
             )
             self.plan = pending_plan(options.streams)
+            self.learned_on = None
             self._enter(Phase.LEARNING)
 
     def _learner_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -223,6 +221,7 @@ class WrapState:
 
     def _learner_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if (learner := self.learner) is not None and (learned := learner.post_hook(module)):
+            self.learned_on = shape_of(args, kwargs)
             self._learned(module, learned)
 
     def _learned(self, model: nn.Module, learned: Learned) -> None:
@@ -277,7 +276,7 @@ class WrapState:
             racing = ArmHooks(model, self._schedulers, [layer for _, layer in layers])
             racing.handles = self._hooks["arm"]
             self.racing = racing
-            shared = Shared(model, options, arms, device, recall=recall)
+            shared = Shared(model, options, arms, device, recall=recall, learned_on=self.learned_on)
             parts = (self.backend, self.log, device, clock, options.tune_steps, self.accumulators)
             self.tuner = tuner = Tuner(arms, racing.switch, *parts, shared, model)
             hooks = self._hooks["tuner"]
@@ -305,12 +304,15 @@ class WrapState:
         self._remove("tuner", "arm")
         self._enter(Phase.STOPPED)
         self.decided = record
-        if winner.is_plain:
-            self._stop(Reason.MEASURED_SLOWER, slower_why(record))
-            return
-        self._schedule(model, winner)
+        # A decision from the cache (taken as is, or confirmed now or not) says so.
         cached = OOOEvent(EventKind.TUNED, "cached", record.why) if tuner.recalled else None
-        self.log.add(cached or kept_event(record), level=logging.INFO)
+        if cached is not None:
+            self.log.add(cached, level=logging.INFO)
+        if winner.is_plain:
+            return self._stop(Reason.MEASURED_SLOWER, record.why if cached else slower_why(record))
+        self._schedule(model, winner)
+        if cached is None:
+            self.log.add(kept_event(record), level=logging.INFO)
 
     def _stop(self, reason: str, why: str) -> None:
         """-> ``STOPPED``: no hook at all from now on; the model runs as if unwrapped."""

@@ -83,6 +83,8 @@ class OOOModule(nn.Module):
             arms raced besides plain (3); one arm to run by name, racing nothing.
         tune_cache: where decisions are remembered (``False``: nowhere; ``None``:
             ``OOO_WRAP_CACHE`` or ``~/.cache/ooo_wrap``); docs/tuning-and-performance.md.
+        tune_cache_confirm: time a cached arm (not plain) alone against plain before
+            keeping it (off: it stands); not faster: plain is kept, the cache overwritten.
         gpu: the reference GPU the ``dataflow`` planner estimates on: an
             ``ooo_wrap.ReferenceGPU`` or the path of one's JSON (the GPU kit writes one
             measured on its device); ``None`` for the H200 datasheet figures.
@@ -101,11 +103,12 @@ class OOOModule(nn.Module):
     Raises:
         OOOConfigError: ``model`` is not a module, is already wrapped or is a
             ``DistributedDataParallel`` (wrap first, then DDP), ``streams`` is not a
-            positive int, ``profile_ranges`` or ``overlap_forward`` is not a bool,
-            ``tune`` is not a bool or ``"auto"``, ``tune=True`` on a backend that cannot
-            time steps, ``tune_steps`` below 2 or ``tune_arms`` below 1, ``backend`` is not
-            a backend, ``gpu`` is neither a ``ReferenceGPU`` nor a readable path to one's
-            JSON, ``split_weight_grads`` is not a bool or ``"auto"``,
+            positive int, ``profile_ranges``, ``overlap_forward`` or
+            ``tune_cache_confirm`` is not a bool, ``tune`` is not a bool or ``"auto"``,
+            ``tune=True`` on a backend that cannot time steps, ``tune_steps`` below 2 or
+            ``tune_arms`` below 1, ``backend`` is not a backend, ``gpu`` is neither a
+            ``ReferenceGPU`` nor a readable path to one's JSON, ``split_weight_grads`` is
+            not a bool or ``"auto"``,
             ``split_weight_grads_exclude`` names no sub-module, or the stage names are
             empty, unknown, repeated, the root, a container or nested (:func:`ooo_wrap.plan`).
 
@@ -134,13 +137,14 @@ class OOOModule(nn.Module):
         tune_arms: int = 3,
         tune_arm: str | None = None,
         tune_cache: str | os.PathLike[str] | bool | None = None,
+        tune_cache_confirm: bool = False,
     ) -> Any:
         if cls is not OOOModule:  # OOO<Cls> has its own __new__ (classswap.py)
             return super().__new__(cls)
         options = WrapOptions(
             streams, stages, backend, profile_ranges, planner, overlap_forward, tune,
             tune_steps, as_reference_gpu(gpu), split_weight_grads, split_weight_grads_exclude,
-            tune_arms, tune_arm, tune_cache,
+            tune_arms, tune_arm, tune_cache, tune_cache_confirm,
         )  # fmt: skip
         return _wrap(model, options)
 

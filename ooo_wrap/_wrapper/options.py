@@ -72,6 +72,9 @@ class WrapOptions:
         tune_cache: where tuning decisions are remembered: ``None`` for the
             ``OOO_WRAP_CACHE`` environment variable or the user's cache directory,
             ``False`` (or ``"off"``) for nowhere, or a directory.
+        tune_cache_confirm: a cached arm other than plain is not taken as is but timed
+            alone against plain on fresh steps (the tuner's confirmation round), kept
+            only if faster there; else plain is kept and the cached record overwritten.
     """
 
     streams: int = 4
@@ -88,6 +91,7 @@ class WrapOptions:
     tune_arms: int = 3
     tune_arm: str | None = None
     tune_cache: str | os.PathLike[str] | bool | None = None
+    tune_cache_confirm: bool = False
 
     def __post_init__(self) -> None:
         check_split_weight_grads(self.split_weight_grads, "split_weight_grads")
@@ -128,6 +132,12 @@ class WrapOptions:
                 "model.tuning lists the arms a tuning raced (e.g. 'regions', 'wgrad')"
             )
         cache_dir(self.tune_cache)  # a setting that names no directory is refused now
+        if not isinstance(self.tune_cache_confirm, bool):
+            raise OOOConfigError(
+                f"tune_cache_confirm must be True or False, got {self.tune_cache_confirm!r}; "
+                "pass tune_cache_confirm=True to time a cached arm against plain before "
+                "keeping it"
+            )
         steps = self.tune_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
             raise OOOConfigError(

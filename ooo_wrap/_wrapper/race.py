@@ -18,7 +18,7 @@ Fed with timed steps by the tuner's hooks (eager steps, ``tune.py``) or by the r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .._runtime.backend import Mark, StepClock
 from .arms import Arm
@@ -52,6 +52,9 @@ class Race:
         self._rotation: dict[Shape, int] = {}
         self._warmed: set[tuple[str, Shape]] = set()
         self._synced: set[Stage] = set()
+        # Says why a confirmed (or not) arm is kept, where the default words do not fit
+        # (an arm from the cache): ``explain(arm, kept)``.
+        self.explain: Callable[[str, bool], str] | None = None
 
     def next_turn(self, shape: Shape) -> tuple[Arm, bool]:
         """A step begins at ``shape``: the arm whose turn it is, and whether the step may
@@ -77,6 +80,10 @@ class Race:
         self.racing = [racing for racing in self.racing if racing is not arm]
         if len(self.racing) == 1:
             self.decided(self.arms[0], "no arm could be raced: none but plain was captured")
+
+    def shapes(self) -> set[Shape]:
+        """The input shapes of the counted steps."""
+        return {step.shape for step in self._closed if step.arm is not None}
 
     def decided(self, arm: Arm, why: str) -> None:
         self.verdict, self.why, self.stage = arm.name, why, "decided"
@@ -116,12 +123,16 @@ class Race:
         }
         if stage == "confirming":
             (verdict,) = verdicts.values()
-            winner = self.racing[1]
-            if verdict == "faster":
-                self.decided(winner, "faster than plain in the race and confirmed alone")
-            elif verdict == "not_faster":
-                self.decided(self.arms[0], f"{winner.name} was not faster when confirmed alone")
-            return
+            if verdict == "pending":
+                return
+            winner, kept = self.racing[1], verdict == "faster"
+            if self.explain is not None:
+                why = self.explain(winner.name, kept)
+            elif kept:
+                why = "faster than plain in the race and confirmed alone"
+            else:
+                why = f"{winner.name} was not faster when confirmed alone"
+            return self.decided(winner if kept else self.arms[0], why)
         # Racing: arms measured slower than plain leave; the rest race on while unclear.
         if not final:
             self.racing = [arm for arm in self.racing if verdicts.get(arm.name) != "not_faster"]

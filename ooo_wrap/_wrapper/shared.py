@@ -3,10 +3,15 @@
 **Later runs** (``cache.py``): the decision is stored under a key of everything that can
 change the winner, and a later run with the same key starts decided, after its first
 training step (the step that tells which optimizer updates the model), with no step
-measured. The key's input shapes are those of that first step: a loop that starts with
-the same batch (with dynamic padding, the same first length) hits. Nothing is read or
-written where the cache is off (``tune_cache=False`` or ``OOO_WRAP_CACHE=off``), and
-``retune()`` races again and overwrites.
+measured. The key holds no input shape: the record holds the set of input shapes raced
+(those of the counted steps), and a later run hits when every shape it has seen by then
+(the learning forward's, the first tuned step's) is in that set. So a loop over a handful
+of lengths (dynamic padding) hits from whichever of them it starts with; one that starts
+outside the set misses, races, and its record replaces the old one. With
+``tune_cache_confirm=True`` a cached arm other than plain is not taken as is: it goes to
+the tuner's confirmation round against plain, and a record it fails is overwritten.
+Nothing is read or written where the cache is off (``tune_cache=False`` or
+``OOO_WRAP_CACHE=off``), and ``retune()`` races again and overwrites.
 
 **Other ranks** (``torch.distributed`` initialized, more than one rank): every rank must
 keep the same arm, and no rank may wait in a collective the others never enter. So the
@@ -20,8 +25,9 @@ others through the same broadcast.
 from __future__ import annotations
 
 import datetime
+import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,11 +35,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .arms import Arm
-from .cache import Signature, TuningCache, cache_dir, tuning_key
+from .cache import Signature, TuningCache, cache_dir, holds_shape, shapes_data, tuning_key
 from .options import WrapOptions
 from .tuning import Tuning
 
 __all__ = ["Shared"]
+
+_log = logging.getLogger("ooo_wrap")
 
 
 class Shared:
@@ -47,6 +55,7 @@ class Shared:
         device: torch.device,
         *,
         recall: bool,
+        learned_on: Signature | None = None,
     ) -> None:
         self._model = weakref.ref(model)
         self._options, self._arms, self._device = options, tuple(arms), device
@@ -56,11 +65,17 @@ class Shared:
         directory = cache_dir(options.tune_cache) if self.rank == 0 else None
         self._cache = None if directory is None else TuningCache(directory)
         self._recall = recall
+        self.confirm = options.tune_cache_confirm  # a cached arm is confirmed, not taken
+        # The input signature of the learning forward, if one came before tuning.
+        self._learned_on = learned_on
         self._key: dict[str, object] | None = None
+        self.recalled: str | None = None  # the arm of the decision recalled, if one was
+        self._measured, self._path = "", ""  # where it came from
 
-    def recall(self, shape: Signature, optimizer: str | None) -> tuple[str, str] | None:
-        """The arm a cached decision kept, and why, for a first step of ``shape`` (on rank
-        0; the other ranks learn it when they agree)."""
+    def recall(self, shape: Signature, optimizer: str | None) -> str | None:
+        """The arm a cached decision kept, for a first tuned step of ``shape`` (on rank 0;
+        the other ranks learn it when they agree): only if every input shape seen so far
+        was raced for it."""
         model = self._model()
         if self._cache is None or model is None:
             return None
@@ -71,15 +86,38 @@ class Shared:
         names = [arm.name for arm in self._arms]
         if record is None or record.get("arm") not in names:
             return None
-        why = (
-            f"from the cache: measured on {record.get('measured_on')} on "
-            f"{record.get('device')}, not re-measured ({self._cache.path(self._key)}); "
+        path = self._cache.path(self._key)
+        seen = [shape] if self._learned_on is None else [self._learned_on, shape]
+        if not all(holds_shape(record.get("shapes"), one) for one in seen):
+            _log.info("ooo_wrap: %s was raced on other input shapes than %s: a miss", path, seen)
+            return None
+        self.recalled = str(record["arm"])
+        self._measured = f"measured on {record.get('measured_on')} on {record.get('device')}"
+        self._path = str(path)
+        return self.recalled
+
+    def cached_why(self) -> str:
+        """Why a recalled decision stands, unconfirmed."""
+        return (
+            f"from the cache: {self._measured}, not re-measured ({self._path}); "
             "model.retune() races again"
         )
-        return str(record["arm"]), why
 
-    def store(self, record: Tuning) -> None:
-        """Remember a decision measured now (rank 0, where the cache is on)."""
+    def confirmed_why(self, arm: str, figures: str, *, kept: bool) -> str:
+        """Why a recalled ``arm`` was kept after its confirmation round, or plain was."""
+        if kept:
+            return (
+                f"from the cache, confirmed now: {figures} ({arm} {self._measured}, {self._path})"
+            )
+        return (
+            f"from the cache, not confirmed now: {figures}; {arm} ({self._measured}, "
+            f"{self._path}) was not faster than plain alone: plain is kept, and the cache now "
+            "holds plain"
+        )
+
+    def store(self, record: Tuning, shapes: Iterable[Signature]) -> None:
+        """Remember a decision measured now on input ``shapes`` (rank 0, where the cache
+        is on)."""
         if self._cache is None or self._key is None or record.decision == "pending":
             return
         self._cache.store(
@@ -90,6 +128,7 @@ class Shared:
                 "device": record.device,
                 "measured_on": datetime.date.today().isoformat(),
                 "medians_ms": {arm.name: arm.median_ms for arm in record.arms},
+                "shapes": shapes_data(shapes),
             },
         )
 
@@ -125,7 +164,7 @@ class Shared:
         options: dict[str, Any] = {
             name: getattr(self._options, name)
             for name in self._options.__dataclass_fields__
-            if name not in ("backend", "tune_cache")
+            if name not in ("backend", "tune_cache", "tune_cache_confirm")
         }
         options["backend"] = type(self._options.backend).__name__
         fingerprint = ";".join(
@@ -136,7 +175,7 @@ class Shared:
             model,
             options=options,
             plan_fingerprint=fingerprint,
-            shapes=[shape],
+            dtypes=[dtype for _, dtype in shape],
             optimizer=optimizer,
             world_size=self.world,
             device=self._device,

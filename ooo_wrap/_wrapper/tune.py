@@ -52,12 +52,7 @@ from .arms import Arm
 from .race import Race
 from .shared import Shared
 from .steps import StepBounds, Turns
-from .tuning import (
-    Shape,
-    TimedStep,
-    Tuning,
-    shape_of,
-)
+from .tuning import Shape, TimedStep, Tuning, figures, shape_of
 
 if TYPE_CHECKING:
     from .._runtime.roots import RootHooks
@@ -109,7 +104,7 @@ class Tuner:
         self._frames: list[_Frame] = []
         self._capture_reported = False
         self.decision = "pending"  # what every rank keeps, once agreed
-        self.recalled = False  # decided from the cache (shared.py)
+        self.recalled = False  # decided from the cache (shared.py), or confirming its arm
         self.held = False  # graphed_step holds the arm (hold)
         self.as_graph = False  # the steps timed are graph replays (replayed)
         self.active: Arm = self.arms[0]
@@ -195,17 +190,17 @@ class Tuner:
             step.marks.append(mark)
             if step.arm is not None and len(step.marks) % 2 == 0:
                 self.race.count(step)
+            if self._opened == 1:  # the first step told which optimizer updates the model
+                self._recall(step.shape)
         self._opened += 1
         shape = shape_of(args, kwargs)
         arm: Arm | None = None
-        if eligible:
+        if eligible and self.race.stage != "decided":
             arm, warmed = self.race.next_turn(shape)
             self._activate(arm)
             arm = arm if warmed else None  # 2. else its warm-up
         else:
             self.race.begun()
-        if self._opened == 2 and step is not None:
-            self._recall(step.shape)  # the first step told which optimizer updates the model
         self._open = TimedStep(arm, shape, self.race.stage, [mark])
         self._frames.append(_Frame(module, self._open, self.scheduler))
         return self.scheduler
@@ -253,8 +248,8 @@ class Tuner:
         if agreed not in ("pending", race.verdict):
             race.why = "rank 0's decision, taken by every rank"
         self.decision = agreed
-        if store and agreed != "pending" and not self.recalled:
-            self.shared.store(self.record())
+        if store and agreed not in ("pending", self.shared.recalled):  # not the cache's own
+            self.shared.store(self.record(), race.shapes())
         return agreed != "pending"
 
     # --- racing as graphs (graphed_step) ----------------------------------------------
@@ -296,13 +291,20 @@ class Tuner:
     # --- measuring and deciding -------------------------------------------------------
 
     def _recall(self, shape: Shape) -> None:
-        """A decision the cache holds for this model (``shared.py``), if any."""
-        hit = self.shared.recall(shape, self._bounds.optimizer)
-        if hit is not None:
-            self.recalled = True
-            arm = next(arm for arm in self.arms if arm.name == hit[0])
-            self.race.decided(arm, hit[1])
-            self._activate(arm)
+        """A decision the cache holds (``shared.py``), if any: it stands, or its arm (not
+        plain) goes to the confirmation round (``tune_cache_confirm``)."""
+        name = self.shared.recall(shape, self._bounds.optimizer)
+        arm = next((arm for arm in self.arms if arm.name == name), None)
+        if arm is None:
+            return
+        self.recalled = True
+        if self.shared.confirm and not arm.is_plain:
+            self.race.explain = lambda winner, kept: self.shared.confirmed_why(
+                winner, figures(self.record()), kept=kept
+            )
+            return self.race.confirm(arm)
+        self.race.decided(arm, self.shared.cached_why())
+        self._activate(arm)
 
     def _report_capture(self) -> None:
         if not self._capture_reported:  # the log keeps one event of a kind and reason

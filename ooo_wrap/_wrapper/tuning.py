@@ -36,6 +36,7 @@ __all__ = [
     "Verdict",
     "compare",
     "fastest",
+    "figures",
     "kept_event",
     "shape_of",
     "slower_why",
@@ -169,11 +170,11 @@ class Tuning:
         for row in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
         if self.confirmation:
-            figures = ", ".join(
+            confirmed = ", ".join(
                 f"{arm.name} {_fmt(arm.median_relative, '.3f')} ({len(arm.relative)} steps)"
                 for arm in self.confirmation
             )
-            lines.append(f"confirmation round (each arm alone): {figures}")
+            lines.append(f"confirmation round (each arm alone): {confirmed}")
         return "\n".join(lines)
 
 
@@ -202,7 +203,8 @@ def _spread(times: Sequence[float]) -> float:
     return (quartiles[2] - quartiles[0]) / quartiles[1] if quartiles[1] > 0 else float("inf")
 
 
-def _figures(record: Tuning) -> str:
+def figures(record: Tuning) -> str:
+    """The figures behind ``record``'s decision: medians, speedup, steps, device."""
     if len(record.confirmation) == 2:
         plain, best = record.confirmation
         where = "in the confirmation round"
@@ -222,13 +224,13 @@ def _figures(record: Tuning) -> str:
 
 def slower_why(record: Tuning) -> str:
     """Why a ``measured_slower`` model runs plain: the figures."""
-    return f"{_figures(record)}: {record.why}"
+    return f"{figures(record)}: {record.why}"
 
 
 def kept_event(record: Tuning) -> OOOEvent:
     """The ``TUNED`` event of a decided ``record`` that keeps an arm other than plain."""
     return OOOEvent(
-        EventKind.TUNED, "kept", f"{_figures(record)}: {record.decision} is kept ({record.why})"
+        EventKind.TUNED, "kept", f"{figures(record)}: {record.decision} is kept ({record.why})"
     )
 
 

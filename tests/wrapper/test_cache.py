@@ -20,7 +20,14 @@ from torch import nn
 import ooo_wrap
 from ooo_wrap._planner.cost import H200
 from ooo_wrap._wrapper import cache
-from ooo_wrap._wrapper.cache import TuningCache, cache_dir, key_digest, tuning_key
+from ooo_wrap._wrapper.cache import (
+    TuningCache,
+    cache_dir,
+    holds_shape,
+    key_digest,
+    shapes_data,
+    tuning_key,
+)
 from ooo_wrap.testing import SimulatedBackend
 
 # --- the directory ---------------------------------------------------------------------
@@ -99,7 +106,7 @@ def _key(model: nn.Module | None = None, **changes: Any) -> dict[str, object]:
     arguments: dict[str, Any] = {
         "options": {"streams": 4, "planner": "dataflow", "stages": None},
         "plan_fingerprint": "abc123",
-        "shapes": [_SHAPES],
+        "dtypes": [torch.float32],
         "optimizer": "SGD",
         "world_size": 1,
         "device": torch.device("cpu"),
@@ -170,10 +177,8 @@ _MODEL_CHANGES: dict[str, Callable[[], dict[str, object]]] = {
     "another option": lambda: _key(
         options={"streams": 4, "planner": "dataflow", "stages": None, "overlap_forward": True}
     ),
-    "an input shape": lambda: _key(shapes=[(((16, 4), torch.float32),)]),
-    "an input dtype": lambda: _key(shapes=[(((8, 4), torch.bfloat16),)]),
-    "another input": lambda: _key(shapes=[((*_SHAPES[0],), ((8,), torch.int64))]),
-    "another shape raced": lambda: _key(shapes=[_SHAPES, (((16, 4), torch.float32),)]),
+    "an input dtype": lambda: _key(dtypes=[torch.bfloat16]),
+    "another input": lambda: _key(dtypes=[torch.float32, torch.int64]),
     "the optimizer": lambda: _key(optimizer="AdamW"),
     "no optimizer": lambda: _key(optimizer=None),
     "the world size": lambda: _key(world_size=8),
@@ -286,10 +291,21 @@ def test_what_cannot_change_the_winner_leaves_the_digest() -> None:
     assert key_digest(_key(wrapped)) == key_digest(plain)
     reordered = {"stages": None, "planner": "dataflow", "streams": 4}
     assert key_digest(_key(options=reordered)) == key_digest(plain)
-    longer = (((16, 4), torch.float32),)
-    raced = key_digest(_key(shapes=[_SHAPES, longer]))
-    assert key_digest(_key(shapes=[longer, _SHAPES, longer])) == raced  # a set of signatures
     assert json.loads(json.dumps(plain)) == plain  # JSON data already: it survives a file
+
+
+def test_a_record_holds_the_set_of_input_shapes_raced() -> None:
+    longer = (((16, 4), torch.float32),)
+    raced = shapes_data([_SHAPES, longer, _SHAPES])  # each signature once, in one order
+    assert raced == shapes_data([longer, _SHAPES])
+    assert sorted(map(json.dumps, raced)) == sorted(
+        map(json.dumps, [[[[8, 4], "torch.float32"]], [[[16, 4], "torch.float32"]]])
+    )
+    stored = json.loads(json.dumps(raced))  # as read back from a file
+    assert holds_shape(stored, _SHAPES) and holds_shape(stored, longer)
+    assert not holds_shape(stored, (((24, 4), torch.float32),))  # another length
+    assert not holds_shape(stored, (((8, 4), torch.bfloat16),))  # another dtype
+    assert not holds_shape(None, _SHAPES)  # a record without the set: none
 
 
 def test_options_become_json_or_an_error_naming_the_option() -> None:

@@ -23,6 +23,7 @@ def test_stage_names_are_normalised_to_a_tuple() -> None:
         ({"stages": "enc"}, "did you mean \\['enc'\\]"),
         ({"stages": ["enc", 3]}, "sequence of dotted module names"),
         ({"profile_ranges": "yes"}, "profile_ranges must be True or False"),
+        ({"tune_cache_confirm": 1}, "tune_cache_confirm must be True or False, got 1; pass"),
     ],
 )
 def test_bad_options_raise_config_errors(kwargs: dict[str, object], message: str) -> None:
