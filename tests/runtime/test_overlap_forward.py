@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import pytest
@@ -457,4 +458,41 @@ def test_a_pending_output_deeper_than_the_search_is_joined(factory: type[nn.Modu
     (Its missing ``record_stream`` stays an allocator hazard, with an UNTRACKED event.)"""
     report = check(factory(), om.inputs(), overlap_forward=True, planner="static")
     assert report.races == (), str(report)
+    assert _idle()
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        om.SharedNorm,
+        functools.partial(om.SharedBuffer, (True, True)),
+        functools.partial(om.SharedBuffer, (True, False)),
+        functools.partial(om.SharedBuffer, (False, True)),
+    ],
+    ids=["batch_norm", "both_write", "first_writes", "second_writes"],
+)
+def test_stages_sharing_a_buffer_are_ordered_in_forward(factory: Callable[[], nn.Module]) -> None:
+    """Stages that share a parameter or buffer see each other's in-place writes in program
+    order, though neither receives the other's outputs."""
+    torch.manual_seed(0)
+    report = check(factory(), om.inputs(), overlap_forward=True, planner="static")
+    assert report.ok, str(report)
+    assert all(entry.max_abs_diff == 0.0 for entry in report.parity)
+    assert _idle()
+
+
+def test_a_stage_sharing_nothing_still_forks_before_the_sharing_ones_join() -> None:
+    model = om.SharedNorm()
+    backend = _wrap(model)
+    start = len(backend.log)
+    model(om.inputs())
+    log = list(backend.log)[start:]
+    first, second, third = VirtualStream(1), VirtualStream(2), VirtualStream(3)
+    a_done = next(c.event for c in log if c.op == "record_event" and c.stream == first)
+    waits = [(c.stream, c.event) for c in log if c.op == "wait_event"]
+    assert (second, a_done) in waits  # b updates the statistics a updated
+    assert (third, a_done) not in waits  # c has its own
+    _, a_joined = _join_of(log, first)
+    c_forked = next(i for i, c in enumerate(log) if c.op == "wait_event" and c.stream == third)
+    assert c_forked < a_joined
     assert _idle()
