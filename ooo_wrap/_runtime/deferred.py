@@ -221,15 +221,21 @@ def share_state(model: nn.Module, stages: Sequence[StageRuntime]) -> None:
 
 def wait_for_sharing(stream: Stream, backend: Backend, stage: StageRuntime) -> int:
     """1c. Make ``stream`` wait on the pending join of every stage that shares a parameter
-    or buffer with ``stage`` (its ``sharing``); returns how many waits were queued."""
+    or buffer with ``stage`` (its ``sharing``); returns how many waits were queued.
+
+    One wait per other stream: the pending list is in the order the join events were
+    recorded, so the newest such event on a stream follows every older one there, and
+    work on ``stream`` itself is ordered already. A chain of stages all tied to one
+    weight then queues at most one wait per stream, not one per earlier stage.
+    """
     sharing, owner = stage.sharing, stage.owner
-    found = 0
-    for entry in thread_state.pending:
-        other = entry.stage  # maybe a twin: same index and owner
-        if not entry.done and other.owner is owner and other.index in sharing:
+    covered = [stream]
+    for entry in reversed(thread_state.pending):
+        other = entry.stage  # maybe a twin: same index and owner, the stream it ran on
+        if other.owner is owner and other.index in sharing and other.stream not in covered:
             backend.wait_event(stream, entry.event)
-            found += 1
-    return found
+            covered.append(other.stream)
+    return len(covered) - 1
 
 
 def join_from(level: int, *, touched: bool = False) -> None:

@@ -496,3 +496,28 @@ def test_a_stage_sharing_nothing_still_forks_before_the_sharing_ones_join() -> N
     c_forked = next(i for i, c in enumerate(log) if c.op == "wait_event" and c.stream == third)
     assert c_forked < a_joined
     assert _idle()
+
+
+def test_a_stage_waits_once_per_stream_on_the_stages_it_shares_with() -> None:
+    """Four stages on two streams, all writing one buffer: each waits on the newest
+    pending join of the other stream only (that of its own stream is ordered already)."""
+    torch.manual_seed(0)
+    report = check(om.TiedTallies(), om.inputs(), streams=2, overlap_forward=True, planner="static")
+    assert report.ok, str(report)
+    model = om.TiedTallies()
+    backend = SimulatedBackend(keep_all=True)
+    ooo_wrap.OOOModule(model, backend=backend, overlap_forward=True, planner="static", streams=2)
+    start = len(backend.log)
+    model(om.inputs())
+    log = list(backend.log)[start:]
+    side_recorded = {
+        c.event: c.stream for c in log if c.op == "record_event" and c.stream != DEFAULT
+    }
+    side_waits = [
+        (c.stream, side_recorded[c.event])
+        for c in log
+        if c.op == "wait_event" and c.stream != DEFAULT and c.event in side_recorded
+    ]
+    side1, side2 = VirtualStream(1), VirtualStream(2)
+    assert side_waits == [(side2, side1), (side1, side2), (side2, side1)]
+    assert _idle()

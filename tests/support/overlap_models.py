@@ -460,3 +460,16 @@ class SharedBuffer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.a(x) + self.b(x)
+
+
+class TiedTallies(nn.Module):
+    """``n`` sibling stages that each add their batch to one shared buffer, then read it."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        shared = Total()
+        self.tallies = nn.ModuleList(Tally(shared, True) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [tally(x) for tally in self.tallies]
+        return functools.reduce(torch.add, outs)
