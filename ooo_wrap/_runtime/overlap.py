@@ -71,10 +71,11 @@ class DeferredScheduler(Scheduler):
                 self._counters.waits += _deferred.wait_for_inputs(
                     frame.stage.stream, self._backend, frame.inputs, frame.blind
                 )
-                # 1c. And on that of each stage sharing a parameter or buffer with it.
-                if frame.stage.sharing:
+                # 1c. And on that of each stage sharing a parameter or buffer with it
+                # (``stage``'s list: ``frame.stage`` may be its twin, a copy made before).
+                if stage.sharing:
                     self._counters.waits += _deferred.wait_for_sharing(
-                        frame.stage.stream, self._backend, frame.stage
+                        frame.stage.stream, self._backend, stage
                     )
         finally:
             _deferred.resume(len(frames))

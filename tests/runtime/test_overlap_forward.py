@@ -468,8 +468,9 @@ def test_a_pending_output_deeper_than_the_search_is_joined(factory: type[nn.Modu
         functools.partial(om.SharedBuffer, (True, True)),
         functools.partial(om.SharedBuffer, (True, False)),
         functools.partial(om.SharedBuffer, (False, True)),
+        om.TiedUnderAutocast,
     ],
-    ids=["batch_norm", "both_write", "first_writes", "second_writes"],
+    ids=["batch_norm", "both_write", "first_writes", "second_writes", "tied_under_autocast"],
 )
 def test_stages_sharing_a_buffer_are_ordered_in_forward(factory: Callable[[], nn.Module]) -> None:
     """Stages that share a parameter or buffer see each other's in-place writes in program

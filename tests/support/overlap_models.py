@@ -473,3 +473,21 @@ class TiedTallies(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = [tally(x) for tally in self.tallies]
         return functools.reduce(torch.add, outs)
+
+
+class TiedUnderAutocast(nn.Module):
+    """Under autocast, stage ``b`` runs on stage ``a``'s stream (they share a weight); it
+    also shares a buffer with stage ``c``, called first, on a stream of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = Total()
+        self.c = Tally(shared, True)
+        self.a = nn.Sequential(nn.Linear(DIM, DIM))
+        self.b = Tally(shared, True)
+        self.b.linear = self.a[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            c, a, b = self.c(x), self.a(x), self.b(x)
+            return (c + a + b).float()
