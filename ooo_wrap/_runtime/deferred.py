@@ -210,13 +210,13 @@ def share_state(model: nn.Module, stages: Sequence[StageRuntime]) -> None:
             keys = _keys([tensor])
             key = id(tensor) if keys is None else keys[0]
             users.setdefault(key, set()).add(stage.index)
+    sharing: dict[int, set[int]] = {stage.index: set() for stage in stages}
+    for indexes in users.values():
+        if len(indexes) > 1:  # one pass over the storages, not one per stage
+            for index in indexes:
+                sharing[index] |= indexes
     for stage in stages:
-        stage.sharing = tuple(
-            sorted(
-                {index for shared in users.values() if stage.index in shared for index in shared}
-                - {stage.index}
-            )
-        )
+        stage.sharing = tuple(sorted(sharing[stage.index] - {stage.index}))
 
 
 def wait_for_sharing(stream: Stream, backend: Backend, stage: StageRuntime) -> int:
