@@ -11,6 +11,11 @@ results on the caller's stream:
     outputs are tracked by storage (received directly, through a container, or as a
     view), written inputs by their version counters. The caller's stream stays unjoined,
     so independent siblings overlap.
+1c. ``s`` also waits on the pending join of each stage whose module shares a parameter or
+    buffer (a storage) with the stage's own (:func:`wait_for_sharing`): a stage may write
+    its state in place where no input or output shows it (batch norm's running
+    statistics), and another may read or write the same state. Which stages share is
+    found once, at install (:func:`share_state`); stages sharing nothing stay concurrent.
 4b. The wait on ``e`` is left pending (:func:`defer`): step 4 records ``e`` and restores
     ``ambient`` but does not make it wait yet (it waits at once, as in step 4, if the
     stage raised, runs outside any root call or in a recomputation, or its tensors could
@@ -44,8 +49,9 @@ waits on every pending join, or is joined at once, so only overlap is lost there
 
 What cannot be seen: work that never enters PyTorch's Python layer, such as a C++
 extension given a tensor at the caller's level; a stage reading another stage's pending
-output through an attribute rather than an argument; a stage writing in place into a
-tensor that a pending sibling reads; a pending output read on another thread (the mode
+output through an attribute rather than an argument (state shared through a parameter or
+buffer is 1c's); a stage writing in place into a tensor that a pending sibling reads
+(other than such state); a pending output read on another thread (the mode
 and the pending joins are the calling thread's); a read under
 ``torch._C.DisableTorchFunction()``, which turns every mode off.
 ``ooo_wrap.testing.check(..., overlap_forward=True)`` reports all but the first as races
@@ -62,9 +68,12 @@ deeper, which includes every inner stage whose output it can reach.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .._compat import (
@@ -88,9 +97,11 @@ __all__ = [
     "join_from",
     "join_pending",
     "resume",
+    "share_state",
     "suspend",
     "versions",
     "wait_for_inputs",
+    "wait_for_sharing",
     "written",
 ]
 
@@ -187,6 +198,44 @@ def wait_for_inputs(
     for entry in found:
         backend.wait_event(stream, entry.event)
     return len(found)
+
+
+def share_state(model: nn.Module, stages: Sequence[StageRuntime]) -> None:
+    """1c. Set each stage's ``sharing``: the other stages whose module holds a parameter
+    or buffer on a storage its own module holds too (a tied weight, a shared norm)."""
+    users: dict[int, set[int]] = {}
+    for stage in stages:
+        module = model.get_submodule(stage.name)
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            keys = _keys([tensor])
+            key = id(tensor) if keys is None else keys[0]
+            users.setdefault(key, set()).add(stage.index)
+    sharing: dict[int, set[int]] = {stage.index: set() for stage in stages}
+    for indexes in users.values():
+        if len(indexes) > 1:  # one pass over the storages, not one per stage
+            for index in indexes:
+                sharing[index] |= indexes
+    for stage in stages:
+        stage.sharing = tuple(sorted(sharing[stage.index] - {stage.index}))
+
+
+def wait_for_sharing(stream: Stream, backend: Backend, stage: StageRuntime) -> int:
+    """1c. Make ``stream`` wait on the pending join of every stage that shares a parameter
+    or buffer with ``stage`` (its ``sharing``); returns how many waits were queued.
+
+    One wait per other stream: the pending list is in the order the join events were
+    recorded, so the newest such event on a stream follows every older one there, and
+    work on ``stream`` itself is ordered already. A chain of stages all tied to one
+    weight then queues at most one wait per stream, not one per earlier stage.
+    """
+    sharing, owner = stage.sharing, stage.owner
+    covered = [stream]
+    for entry in reversed(thread_state.pending):
+        other = entry.stage  # maybe a twin: same index and owner, the stream it ran on
+        if other.owner is owner and other.index in sharing and other.stream not in covered:
+            backend.wait_event(stream, entry.event)
+            covered.append(other.stream)
+    return len(covered) - 1
 
 
 def join_from(level: int, *, touched: bool = False) -> None:

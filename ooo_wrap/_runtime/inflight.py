@@ -71,6 +71,7 @@ class StageRuntime:
         "module",
         "name",
         "owner",
+        "sharing",
         "stream",
         "stream_index",
         "twin",
@@ -90,6 +91,9 @@ class StageRuntime:
         # Under autocast, this stage as run on the stream of another stage it shares a
         # weight with (see pair_tied_stages); None when it shares none.
         self.twin: StageRuntime | None = None
+        # The indexes of the other stages whose module shares a parameter or buffer with
+        # this one's (set by DeferredScheduler.install_stages; see deferred.share_state).
+        self.sharing: tuple[int, ...] = ()
         # Its frame, reused from call to call by the thread that made it (see Frame). Kept
         # here, not per thread, so that it goes with the stage: a dropped model is freed
         # whichever threads ran it.

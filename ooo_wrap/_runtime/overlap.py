@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.compiler import is_compiling
+from torch.utils.hooks import RemovableHandle
 
 from . import deferred as _deferred
 from .backend import Event
@@ -27,6 +28,10 @@ __all__ = ["DeferredScheduler"]
 class DeferredScheduler(Scheduler):
     """The scheduler, with each stage's join with the caller's stream left pending until
     something touches the stage's results."""
+
+    def install_stages(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
+        super().install_stages(model, handles)
+        _deferred.share_state(model, self._stages)  # 1c: found once, here
 
     def _root_bypass(self) -> str | None:
         # A no_grad forward has stages to overlap too (its forward), so it forks.
@@ -66,6 +71,12 @@ class DeferredScheduler(Scheduler):
                 self._counters.waits += _deferred.wait_for_inputs(
                     frame.stage.stream, self._backend, frame.inputs, frame.blind
                 )
+                # 1c. And on that of each stage sharing a parameter or buffer with it
+                # (``stage``'s list: ``frame.stage`` may be its twin, a copy made before).
+                if stage.sharing:
+                    self._counters.waits += _deferred.wait_for_sharing(
+                        frame.stage.stream, self._backend, stage
+                    )
         finally:
             _deferred.resume(len(frames))
 

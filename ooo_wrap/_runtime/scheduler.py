@@ -27,6 +27,8 @@ lettered steps extend the numbered step they follow:
 
 1b. ``s`` also waits on the pending join of each stage whose outputs the call receives,
     or that wrote into one of its inputs in place.
+1c. ``s`` also waits on the pending join of each stage whose module shares a parameter or
+    buffer with its own (which a stage may write in place: batch norm's statistics).
 4b. The wait on ``e`` is left pending: step 4 records ``e`` and restores ``ambient`` but
     does not make it wait yet (it waits at once, as in step 4, if the stage raised, runs
     outside any root call or in a recomputation, or its tensors could not all be found).

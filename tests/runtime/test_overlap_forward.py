@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import pytest
@@ -457,4 +458,67 @@ def test_a_pending_output_deeper_than_the_search_is_joined(factory: type[nn.Modu
     (Its missing ``record_stream`` stays an allocator hazard, with an UNTRACKED event.)"""
     report = check(factory(), om.inputs(), overlap_forward=True, planner="static")
     assert report.races == (), str(report)
+    assert _idle()
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        om.SharedNorm,
+        functools.partial(om.SharedBuffer, (True, True)),
+        functools.partial(om.SharedBuffer, (True, False)),
+        functools.partial(om.SharedBuffer, (False, True)),
+        om.TiedUnderAutocast,
+    ],
+    ids=["batch_norm", "both_write", "first_writes", "second_writes", "tied_under_autocast"],
+)
+def test_stages_sharing_a_buffer_are_ordered_in_forward(factory: Callable[[], nn.Module]) -> None:
+    """Stages that share a parameter or buffer see each other's in-place writes in program
+    order, though neither receives the other's outputs."""
+    torch.manual_seed(0)
+    report = check(factory(), om.inputs(), overlap_forward=True, planner="static")
+    assert report.ok, str(report)
+    assert all(entry.max_abs_diff == 0.0 for entry in report.parity)
+    assert _idle()
+
+
+def test_a_stage_sharing_nothing_still_forks_before_the_sharing_ones_join() -> None:
+    model = om.SharedNorm()
+    backend = _wrap(model)
+    start = len(backend.log)
+    model(om.inputs())
+    log = list(backend.log)[start:]
+    first, second, third = VirtualStream(1), VirtualStream(2), VirtualStream(3)
+    a_done = next(c.event for c in log if c.op == "record_event" and c.stream == first)
+    waits = [(c.stream, c.event) for c in log if c.op == "wait_event"]
+    assert (second, a_done) in waits  # b updates the statistics a updated
+    assert (third, a_done) not in waits  # c has its own
+    _, a_joined = _join_of(log, first)
+    c_forked = next(i for i, c in enumerate(log) if c.op == "wait_event" and c.stream == third)
+    assert c_forked < a_joined
+    assert _idle()
+
+
+def test_a_stage_waits_once_per_stream_on_the_stages_it_shares_with() -> None:
+    """Four stages on two streams, all writing one buffer: each waits on the newest
+    pending join of the other stream only (that of its own stream is ordered already)."""
+    torch.manual_seed(0)
+    report = check(om.TiedTallies(), om.inputs(), streams=2, overlap_forward=True, planner="static")
+    assert report.ok, str(report)
+    model = om.TiedTallies()
+    backend = SimulatedBackend(keep_all=True)
+    ooo_wrap.OOOModule(model, backend=backend, overlap_forward=True, planner="static", streams=2)
+    start = len(backend.log)
+    model(om.inputs())
+    log = list(backend.log)[start:]
+    side_recorded = {
+        c.event: c.stream for c in log if c.op == "record_event" and c.stream != DEFAULT
+    }
+    side_waits = [
+        (c.stream, side_recorded[c.event])
+        for c in log
+        if c.op == "wait_event" and c.stream != DEFAULT and c.event in side_recorded
+    ]
+    side1, side2 = VirtualStream(1), VirtualStream(2)
+    assert side_waits == [(side2, side1), (side1, side2), (side2, side1)]
     assert _idle()

@@ -6,6 +6,7 @@ library itself has no switch for this.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -59,6 +60,29 @@ def test_an_input_written_in_place_is_tracked_by_storage(
         assert _raw(_check(om.InPlaceFill), "fill", "side2")
     monkeypatch.setattr(_deferred, "written", lambda inputs, before: [])
     assert _raw(_check(om.InPlaceFill), "fill", "side2")
+
+
+@pytest.mark.parametrize(
+    ("factory", "kind"),
+    [
+        (om.SharedNorm, RaceKind.WRITE_AFTER_WRITE),
+        (functools.partial(om.SharedBuffer, (True, False)), RAW),
+        (functools.partial(om.SharedBuffer, (False, True)), RaceKind.WRITE_AFTER_READ),
+    ],
+    ids=["batch_norm", "first_writes", "second_writes"],
+)
+def test_without_the_wait_on_sharing_stages_b_races_a_on_their_buffer(
+    monkeypatch: pytest.MonkeyPatch, factory: Callable[[], nn.Module], kind: RaceKind
+) -> None:
+    assert _check(factory).ok
+    monkeypatch.setattr(_deferred, "wait_for_sharing", lambda *args: 0)
+    report = _check(factory)
+    assert any(
+        r.kind is kind
+        and (r.earlier.stage, r.later.stage) == ("a", "b")
+        and r.later.stream != r.earlier.stream
+        for r in report.races
+    ), str(report)
 
 
 def _no_join(

@@ -403,3 +403,91 @@ class DisabledRead(nn.Module):
             y = h * 2
         out: torch.Tensor = self.b(x) + y
         return out
+
+
+class SharedNorm(nn.Module):
+    """Sibling stages ``a`` and ``b`` normalise with one batch norm: in training each call
+    updates its running statistics in place, a write neither stage's inputs nor outputs
+    show. Stage ``c`` has a batch norm of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        norm = nn.BatchNorm1d(DIM)
+        self.a = nn.Sequential(nn.Linear(DIM, DIM), norm)
+        self.b = nn.Sequential(nn.Linear(DIM, DIM), norm)
+        self.c = nn.Sequential(nn.Linear(DIM, DIM), nn.BatchNorm1d(DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b, c = self.a(x), self.b(x), self.c(x)
+        out: torch.Tensor = a + b + c
+        return out
+
+
+class Total(nn.Module):
+    """Holds the buffer two stages share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.ones(DIM))
+
+
+class Tally(nn.Module):
+    """Adds a shared buffer to its result; with ``update``, first adds its batch to it."""
+
+    def __init__(self, shared: Total, update: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.shared = shared
+        self.update = update
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h: torch.Tensor = self.linear(x)
+        total: torch.Tensor = self.shared.total
+        if self.update:
+            with torch.no_grad():
+                total.add_(h.sum(0))
+        return h + total
+
+
+class SharedBuffer(nn.Module):
+    """Sibling stages ``a`` and ``b`` read one buffer; each may write it in place first
+    (``writes``: whether ``a``, then ``b``, does)."""
+
+    def __init__(self, writes: tuple[bool, bool]) -> None:
+        super().__init__()
+        shared = Total()
+        self.a, self.b = Tally(shared, writes[0]), Tally(shared, writes[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+class TiedTallies(nn.Module):
+    """``n`` sibling stages that each add their batch to one shared buffer, then read it."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        shared = Total()
+        self.tallies = nn.ModuleList(Tally(shared, True) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [tally(x) for tally in self.tallies]
+        return functools.reduce(torch.add, outs)
+
+
+class TiedUnderAutocast(nn.Module):
+    """Under autocast, stage ``b`` runs on stage ``a``'s stream (they share a weight); it
+    also shares a buffer with stage ``c``, called first, on a stream of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = Total()
+        self.c = Tally(shared, True)
+        self.a = nn.Sequential(nn.Linear(DIM, DIM))
+        self.b = Tally(shared, True)
+        self.b.linear = self.a[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            c, a, b = self.c(x), self.a(x), self.b(x)
+            return (c + a + b).float()
