@@ -122,7 +122,6 @@ def test_chains_have_no_parallelism_and_name_their_longest_chain(
     assert learned.to_plan(model).stages == ()
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     _, learned = learned_case("two_tower")
     streams = learned.stage_streams
@@ -138,7 +137,7 @@ def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     model, inputs = CASES["two_tower"]
     torch.manual_seed(0)
     tiny = dataclasses.replace(H200, fork_join_us=1e-6)
-    free = learn_plan(model(), inputs(), streams=4, gpu=tiny)
+    free = learn_plan(model(), inputs(), streams=4, gpu=tiny, by_simulation=False)
     streams = free.stage_streams
     assert streams.get("query_proj") == streams.get("query_tower")
     assert streams.get("doc_proj") == streams.get("doc_tower")
@@ -264,11 +263,10 @@ class InceptionTowers(nn.Module):
         return sum((tower(x).mean((2, 3)) for tower in self.towers), torch.zeros(()))
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_a_region_inside_a_branch_avoids_the_streams_of_concurrent_branches() -> None:
     model = InceptionTowers().to("meta")
     x = torch.empty(32, 64, 56, 56, device="meta")
-    learned = learn_plan(model, (x,), streams=12)
+    learned = learn_plan(model, (x,), streams=12, by_simulation=False)
     outer, *inner = learned.regions
     assert outer.name == "<root>" and len(inner) == 3
     towers = {b.calls[0].split(".")[1]: b.stream for b in outer.branches}
@@ -333,13 +331,12 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     assert len(side) == len(set(learned.stage_streams.values()))
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_branches_updating_shared_running_statistics_are_one_chain() -> None:
     """Batch norm in training writes its running statistics though its schema says it only
     reads them: two branches updating the same ones must not overlap."""
     model, x = models.SharedStats(), torch.randn(32, 64)
     tiny = dataclasses.replace(H200, fork_join_us=1e-6)
-    learned = learn_plan(model, (x,), streams=2, gpu=tiny)
+    learned = learn_plan(model, (x,), streams=2, gpu=tiny, by_simulation=False)
     (region,) = learned.regions
     assert sorted(branch.calls for branch in region.branches) == [("a", "b"), ("c",)]
     report = check(
@@ -389,15 +386,15 @@ def towers_per_side_stream(streams: dict[str, int]) -> dict[int, set[str]]:
     return towers
 
 
-@pytest.mark.usefixtures("plan_by_rule")  # the towers' region kept: they run at once
 def test_clip_towers_share_no_side_stream_and_no_stage_costs_less_than_its_fork_join() -> None:
     # Regression: the image tower (on a side stream) was split into one stage per block link,
     # layer norms of 4 µs among them, and both towers' k_proj and v_proj shared two streams.
     torch.manual_seed(0)
     model = models.Clip().to("meta")
-    the_plan = ooo_wrap.plan(model, streams=4, example_inputs=models.clip_inputs())
-    learned = the_plan.learned
-    assert learned is not None and learned.outcome == "parallel"
+    # Every region the rule finds (the towers' region kept: they run at once).
+    learned = learn_plan(model, models.clip_inputs(), streams=4, by_simulation=False)
+    the_plan = learned.to_plan(model, "dataflow")
+    assert the_plan.learned is learned and learned.outcome == "parallel"
     streams = {stage.name: stage.stream for stage in the_plan.stages}
     assert streams == learned.stage_streams
     towers = towers_per_side_stream(streams)
@@ -457,14 +454,15 @@ def test_clip_runs_the_image_towers_cheap_projection_on_its_stream_where_that_pa
 
 
 @pytest.mark.parametrize("streams", [2, 4, 8])
-@pytest.mark.usefixtures("plan_by_rule")
 def test_inner_regions_of_concurrent_towers_get_disjoint_streams(streams: int) -> None:
     """With a near-free fork every tower splits into its links: the q/k/v regions of the two
     towers run at once and must not queue on each other's streams."""
     torch.manual_seed(0)
     model = models.Clip(depth=2).to("meta")
     tiny = dataclasses.replace(H200, fork_join_us=1e-6)
-    learned = learn_plan(model, models.clip_inputs(), streams=streams, gpu=tiny)
+    learned = learn_plan(
+        model, models.clip_inputs(), streams=streams, gpu=tiny, by_simulation=False
+    )
     towers = towers_per_side_stream(learned.stage_streams)
     assert all(len(mine) == 1 for mine in towers.values()), towers
     inner = {
