@@ -28,7 +28,6 @@ from torch import nn
 from .._plan import StepEstimate, as_stage_names, check_streams
 from .cost import H200, ReferenceGPU
 from .learned_plan import (
-    EdgeCount,
     LearnedPlan,
     LearnedStage,
     Outcome,
@@ -53,7 +52,6 @@ __all__ = [
     "BACKWARD_FACTOR",
     "MIN_GAIN_FRACTION",
     "MIN_GAIN_US",
-    "EdgeCount",
     "LearnedPlan",
     "LearnedStage",
     "RejectedRegion",

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
 from ooo_wrap.testing import CheckReport, check
+from tests.support.edges import count_edges
 from tests.support.reference import FREE_FORK
 
 WIDTH = 8
@@ -230,7 +231,7 @@ def test_random_models_pass_with_the_learned_plan(spec: Spec) -> None:
     options = {"streams": spec.streams, "steps": 3, "gpu": FREE_FORK}
     report = check(model, x, split_weight_grads=False, tune_arm=arm, **options)  # type: ignore[arg-type]
     assert learned.learned is not None
-    edges = learned.learned.count_edges(learned.learned.stage_streams)
+    edges = count_edges(learned.learned, learned.learned.stage_streams)
     assert edges.chain_splits == 0, f"{spec}\n{learned}"
     _assert_ok_or_runs_plain(report, spec)
     if arm is not None:

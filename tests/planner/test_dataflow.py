@@ -21,6 +21,7 @@ from ooo_wrap._planner.placement import assign_named, assign_regions
 from ooo_wrap._planner.simulate import estimate_arm
 from ooo_wrap.testing import check
 from tests.support import dataflow_models as models
+from tests.support.edges import count_edges
 from tests.support.models import SHAPES, Shape
 
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]] = {
@@ -79,7 +80,7 @@ def test_inception_chain_links_share_a_stream_and_no_stage_is_outside_a_region(
         assert streams[b2] == streams[b2_conv]  # a two-call chain on a side stream
         # the three-call chain is the heaviest branch: all of it inline, none a stage
         assert not any(f"blocks.{block}.b3" in name for name in streams)
-    assert learned.count_edges(streams).chain_splits == 0
+    assert count_edges(learned, streams).chain_splits == 0
 
 
 def test_inception_with_fewer_streams_than_branches_balances_and_keeps_chains(
@@ -99,7 +100,7 @@ def test_inception_with_fewer_streams_than_branches_balances_and_keeps_chains(
             for s, load in loads.items()
         }
         assert others[lightest.stream] == min(others.values())
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
     assert max(learned.stage_streams.values()) < 2
 
 
@@ -131,7 +132,7 @@ def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     # The projections and the embedding (under 3 µs each) would not outlast a fork/join.
     assert not {"query_proj", "doc_proj", "embed"} & set(streams)
     assert all(s.device_us > H200.fork_join_us * s.calls for s in learned.stages)
-    assert learned.count_edges(streams).chain_splits == 0
+    assert count_edges(learned, streams).chain_splits == 0
     # With a near-free fork the projections keep their tower's stream, and the shared
     # embedding, called once per tower on two streams, runs inline.
     model, inputs = CASES["two_tower"]
@@ -143,7 +144,7 @@ def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     assert streams.get("doc_proj") == streams.get("doc_tower")
     assert "embed" not in streams
     assert any(note.startswith("embed runs inline") for note in free.notes)
-    assert free.count_edges(streams).chain_splits == 0
+    assert count_edges(free, streams).chain_splits == 0
 
 
 def test_moe_finds_shared_against_routed_and_the_experts_apart() -> None:
@@ -155,7 +156,7 @@ def test_moe_finds_shared_against_routed_and_the_experts_apart() -> None:
     assert shared.stream != routed.stream
     assert [f"experts.{i}" for i in range(4)] == list(routed.calls[1:])
     assert len({b.stream for b in experts.branches}) == 4
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
 
 
 def test_a_chain_split_across_streams_is_counted() -> None:
@@ -163,7 +164,7 @@ def test_a_chain_split_across_streams_is_counted() -> None:
     learned = learn_plan(model, (models.inception_input(),))
     split = dict(learned.stage_streams)
     split["blocks.0.b2_conv"] = split["blocks.0.b2"] + 1
-    assert learned.count_edges(split).chain_splits == 1
+    assert count_edges(learned, split).chain_splits == 1
 
 
 def test_user_named_stages_keep_their_names_and_get_streams_by_dependency() -> None:
@@ -177,7 +178,7 @@ def test_user_named_stages_keep_their_names_and_get_streams_by_dependency() -> N
     assert len({streams[n] for n in branches}) == 4
     learned = learn(record, 4, stages=names)
     assert learned.outcome == "named" and set(learned.stage_streams) == set(names)
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
     chain = observe(models.ResidualChain(depth=3), (torch.randn(4, 512),))
     blocks = [f"blocks.{i}" for i in range(3)]
     assert set(assign_named(chain, blocks, 4).values()) == {0}  # a chain stays on one stream
@@ -218,7 +219,8 @@ def test_the_table_labels_estimates_with_the_reference_gpu(
     text = str(learned)
     assert f"estimate on {H200.name}" in text
     assert "region blocks.0 (width 4)" in text and "blocks.0.pool" in text
-    assert learned.plan_step_us is not None and learned.plan_step_us < learned.step_us
+    assert learned.estimate is not None
+    assert learned.estimate.wrapped_us < learned.estimate.one_stream_us
     assert learned.fork_join_us == H200.fork_join_us * len(learned.stages)
 
 
@@ -276,7 +278,7 @@ def test_a_region_inside_a_branch_avoids_the_streams_of_concurrent_branches() ->
         assert towers[tower] in mine  # the heaviest inner branch stays on the tower's stream
         others = {s for t, s in towers.items() if t != tower}
         assert not mine & others  # no inner branch on a concurrent tower's stream
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
 
 
 def test_named_convolutions_stay_on_their_branch_stream_unlike_round_robin() -> None:
@@ -288,8 +290,8 @@ def test_named_convolutions_stay_on_their_branch_stream_unlike_round_robin() -> 
     ]
     learned = learn_plan(model, (models.inception_input(),), streams=4, stages=names)
     static = {s.name: s.stream for s in plan(model, 4, stages=names).stages}
-    assert learned.count_edges(static).chain_splits > 0
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, static).chain_splits > 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
 
 
 @pytest.mark.parametrize(
@@ -303,8 +305,8 @@ def test_learned_plans_split_no_chain_where_round_robin_does(case: str, static_s
     n stages all n - 1 edges split it (Inception: stem, blocks, head).
     """
     model, learned = learned_case(case)
-    static = learned.count_edges({s.name: s.stream for s in plan(model, 4).stages})
-    mine = learned.count_edges(learned.stage_streams)
+    static = count_edges(learned, {s.name: s.stream for s in plan(model, 4).stages})
+    mine = count_edges(learned, learned.stage_streams)
     assert mine.chain_splits == 0
     assert static.chain_splits == static_splits
     assert mine.edges == len(learned.edges)
@@ -319,7 +321,7 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     args, _ = shape.make_inputs()
     tiny = dataclasses.replace(H200, fork_join_us=1e-6)
     learned = learn_plan(model, args, streams=4, gpu=tiny)
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
     if learned.outcome == "no_parallelism":
         return
     learned.to_plan(model)  # valid: known, disjoint names
@@ -478,7 +480,7 @@ def test_inner_regions_of_concurrent_towers_get_disjoint_streams(streams: int) -
     image = set().union(*(used for name, used in inner.items() if name.startswith("vision")))
     text = set().union(*(used for name, used in inner.items() if name.startswith("text")))
     assert not image & text, (image, text)
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
 
 
 def test_a_region_that_takes_its_inner_regions_streams_is_judged_against_neither() -> None:

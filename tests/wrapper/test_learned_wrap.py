@@ -24,6 +24,7 @@ from ooo_wrap._plan import Plan
 from ooo_wrap.testing import SimulatedBackend, check
 from tests.support import dataflow_models as models
 from tests.support import doc_tables
+from tests.support.edges import count_edges
 
 # These tests are about how the wrapper learns and runs a plan, on small models: most pin the
 # regions arm (tune_arm="regions"), which keeps every region the region rule finds, where
@@ -123,7 +124,7 @@ def test_inception_gets_the_block_branches_on_distinct_streams_and_chains_on_one
         side = [s for s in streams if s is not None]
         assert len(side) == len(set(side)) and len(side) >= 1  # distinct, heaviest inline
     assert the_plan.learned is not None
-    assert the_plan.learned.count_edges(the_plan.learned.stage_streams).chain_splits == 0
+    assert count_edges(the_plan.learned, the_plan.learned.stage_streams).chain_splits == 0
 
 
 @pytest.mark.parametrize("case", ["residual", "gpt"])
@@ -199,8 +200,8 @@ def test_cross_stream_waits_per_step_learned_against_static(
     assert learned_plan is not None
     static_model, _ = build(case)
     static_streams = {s.name: s.stream for s in ooo_wrap.plan(static_model).stages}
-    mine = learned_plan.count_edges(learned_plan.stage_streams)
-    theirs = learned_plan.count_edges(static_streams)
+    mine = count_edges(learned_plan, learned_plan.stage_streams)
+    theirs = count_edges(learned_plan, static_streams)
     with capsys.disabled():
         print(
             f"\n{case}: learned {learned_plan.outcome}; cross-stream waits per step learned "
