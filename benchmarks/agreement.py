@@ -25,7 +25,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ooo_wrap
-from ooo_wrap._planner import dataflow as _dataflow
 from ooo_wrap._planner.cost import H200
 from ooo_wrap._planner.dataflow import LearnedPlan, learn_plan
 from ooo_wrap._planner.simulate import estimate_arm
@@ -59,10 +58,12 @@ def _cases() -> dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...]]]]:
     }
 
 
-def _row(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[str, str, str, str]:
+def _row(
+    model: nn.Module, inputs: tuple[Any, ...], by_simulation: bool
+) -> tuple[str, str, str, str]:
     """Outcome and stages, the plan's estimate, check()'s and the wrapped-step difference,
-    for the plan ``learn_plan`` makes under the current ``BY_SIMULATION``."""
-    learned = learn_plan(model, inputs)
+    for the plan ``learn_plan`` makes with ``by_simulation``."""
+    learned = learn_plan(model, inputs, by_simulation=by_simulation)
     planned = learned.estimate
     assert planned is not None
     outcome = f"{learned.outcome} ({len(learned.stages)})"
@@ -107,16 +108,11 @@ def main() -> None:
         f"{'diff':>6} | {'by rule':<20} {'plan est.':>18} {'check() est.':>18} {'diff':>6} "
         f"| {'static plan est.':>18}"
     )
-    default = _dataflow.BY_SIMULATION
     for name, make in _cases().items():
         torch.manual_seed(0)
         model, inputs = make()
-        judged = _row(model, inputs)
-        _dataflow.BY_SIMULATION = False
-        try:
-            ruled = _row(model, inputs)
-        finally:
-            _dataflow.BY_SIMULATION = default
+        judged = _row(model, inputs, by_simulation=True)
+        ruled = _row(model, inputs, by_simulation=False)
         cells = [f"{judged[0]:<20}", f"{judged[1]:>18}", f"{judged[2]:>18}", f"{judged[3]:>6}"]
         cells += ["|", f"{ruled[0]:<20}", f"{ruled[1]:>18}", f"{ruled[2]:>18}", f"{ruled[3]:>6}"]
         torch.manual_seed(0)

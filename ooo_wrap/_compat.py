@@ -117,6 +117,10 @@ _NO_UNWRAP = (
 )
 _NO_CHECKER = "the race checker (ooo_wrap.testing.check, detect) raises OOOError"
 _NO_FLOPS = "estimated op costs count no FLOPs (bytes moved only)"
+_NO_LEAVE = (
+    "the observation of a learning forward that an interrupt ended is left as a with block "
+    "ends: a dispatch mode entered since is popped in its place"
+)
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # Non-reentrant checkpoint's saved-tensor hooks: a recomputation in backward is ordered
@@ -140,6 +144,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch._C.TensorBase._version", _NO_OVERLAP),
     PrivateName("torch._C.StorageBase._cdata", f"{_NO_OVERLAP}; {_NO_LEARNING}"),
     PrivateName("torch.utils._python_dispatch.TorchDispatchMode", f"{_NO_LEARNING}; {_NO_CHECKER}"),
+    # The thread's dispatch mode stack: the planner's observation is left wherever it is on
+    # it (``_planner/observe.py``), below a mode a user entered after an interrupt.
+    PrivateName("torch._C._len_torch_dispatch_stack", _NO_LEAVE),
+    PrivateName("torch._C._get_dispatch_stack_at", _NO_LEAVE),
+    PrivateName("torch._C._pop_torch_dispatch_stack", _NO_LEAVE),
+    PrivateName("torch._C._push_on_torch_dispatch_stack", _NO_LEAVE),
     # Gradient accumulator look-ups (``_runtime/accumulators.py``).
     PrivateName("torch.utils._python_dispatch._disable_current_modes", _NO_RELEASE),
     PrivateName("torch._C.DisableTorchFunction", _NO_RELEASE),
@@ -246,7 +256,10 @@ def deferred_joins_work() -> bool:
 
 
 def dataflow_names_found() -> bool:
-    """Whether the dataflow planner can observe a forward on this torch."""
+    """Whether the dataflow planner can observe a forward on this torch. The dispatch stack
+    calls are looked up (each missing one warned about) now too, though an observation is
+    left without them (:func:`leave_dispatch_mode`)."""
+    _found(*_DISPATCH_STACK_CALLS)
     return _found("torch.utils._python_dispatch.TorchDispatchMode", "torch._C.StorageBase._cdata")
 
 
@@ -596,14 +609,11 @@ def functorch_transforms_active() -> bool:
 # once, by the first deferred join (a wrap asks :func:`deferred_joins_work` first).
 
 
-_STACK_CALLS = tuple(
-    f"torch._C.{name}"
-    for name in (
-        "_len_torch_function_stack",
-        "_get_function_stack_at",
-        "_pop_torch_function_stack",
-        "_push_on_torch_function_stack",
-    )
+_STACK_CALLS = (
+    "torch._C._len_torch_function_stack",
+    "torch._C._get_function_stack_at",
+    "torch._C._pop_torch_function_stack",
+    "torch._C._push_on_torch_function_stack",
 )
 
 
@@ -833,6 +843,14 @@ def replace_thread_target(thread: Any, target: Callable[..., Any]) -> None:
 # --- the thread's dispatch mode stack, below its top -----------------------------------
 
 
+_DISPATCH_STACK_CALLS = (
+    "torch._C._len_torch_dispatch_stack",
+    "torch._C._get_dispatch_stack_at",
+    "torch._C._pop_torch_dispatch_stack",
+    "torch._C._push_on_torch_dispatch_stack",
+)
+
+
 def leave_dispatch_mode(mode: Any) -> bool:
     """Leave ``mode``, a dispatch mode this thread entered with ``__enter__`` and never left,
     wherever it is on this thread's stack: modes pushed after it stay where they are.
@@ -844,12 +862,9 @@ def leave_dispatch_mode(mode: Any) -> bool:
     is left. ``__exit__`` pops the top of the stack (and restores the flags ``__enter__``
     saved), so the modes above are set aside with the private ``torch._C`` stack functions
     ``torch.utils._python_dispatch`` uses (in torch 2.6). Without them, ``__exit__`` pops
-    the top, as the end of a ``with`` block would.
+    the top, as the end of a ``with`` block would (each missing one warned about once).
     """
-    length = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    at = getattr(torch._C, "_get_dispatch_stack_at", None)
-    pop = getattr(torch._C, "_pop_torch_dispatch_stack", None)
-    push = getattr(torch._C, "_push_on_torch_dispatch_stack", None)
+    length, at, pop, push = [private(path) for path in _DISPATCH_STACK_CALLS]  # warn for each
     if length is None or at is None or pop is None or push is None:
         mode.__exit__(None, None, None)
         return True

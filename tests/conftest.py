@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from unittest import mock
-
 import pytest
 import torch
 
@@ -27,14 +24,3 @@ def _seed() -> None:
 def _no_tuning_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test reads or writes the user's tuning cache (tests of the cache set their own)."""
     monkeypatch.setenv("OOO_WRAP_CACHE", "off")
-
-
-@pytest.fixture
-def plan_by_rule() -> Iterator[None]:
-    """Keep every region the region rule finds (``BY_SIMULATION`` off): for tests of plan
-    structure and of stage mechanics on tiny CPU models, whose simulated step would not pay
-    for a side stream."""
-    from ooo_wrap._planner import dataflow
-
-    with mock.patch.object(dataflow, "BY_SIMULATION", False):
-        yield

@@ -28,7 +28,6 @@ from torch import nn
 from .._plan import StepEstimate, as_stage_names, check_streams
 from .cost import H200, ReferenceGPU
 from .learned_plan import (
-    EdgeCount,
     LearnedPlan,
     LearnedStage,
     Outcome,
@@ -53,7 +52,6 @@ __all__ = [
     "BACKWARD_FACTOR",
     "MIN_GAIN_FRACTION",
     "MIN_GAIN_US",
-    "EdgeCount",
     "LearnedPlan",
     "LearnedStage",
     "RejectedRegion",
@@ -66,11 +64,6 @@ __all__ = [
 # estimated step time (its branches' forward and backward), and at least this many µs.
 MIN_GAIN_FRACTION = 0.02
 MIN_GAIN_US = 1.0
-# Whether regions are kept only where the simulated step pays for them, where ``learn`` is
-# not told. On: a plan the estimate says is slower than one stream is never learned, so
-# the learned table and check() never print a speedup below 1.0x next to side streams.
-# Tests of plan structure on tiny CPU models turn it off (``by_simulation=False``).
-BY_SIMULATION = True
 
 
 def learn(
@@ -79,7 +72,7 @@ def learn(
     *,
     gpu: ReferenceGPU = H200,
     stages: Sequence[str] | None = None,
-    by_simulation: bool | None = None,
+    by_simulation: bool = True,
     graphed: bool = False,
 ) -> LearnedPlan:
     """Learn a plan from one observed forward.
@@ -89,9 +82,10 @@ def learn(
         streams: the most side streams to use.
         gpu: the reference GPU of the op costs (for the region rule and the estimates).
         stages: dotted names of stages the user chose; kept as written, streams learned.
-        by_simulation: keep a region only where the simulated step pays for it (``False``:
-            every region the region rule finds, for tests of plan structure; ``None``:
-            ``BY_SIMULATION``).
+        by_simulation: keep a region only where the simulated step pays for it, so that a
+            plan the estimate says is slower than one stream is never learned (the default:
+            the plan runs as learned); ``False``: every region the region rule finds (the
+            candidates that measured tuning races, or a pinned arm runs).
         graphed: price every step as a CUDA graph replay (the step is captured with
             ``graphed_step`` or ``make_graphed_callables``) instead of eager launches.
 
@@ -108,8 +102,9 @@ def learn(
     rule_gpu = _replayed(gpu) if graphed else gpu  # what the region rule prices with
     if stages is None:
         unfit = _best_unfit(record, rule_gpu)
-        judge = BY_SIMULATION if by_simulation is None else by_simulation
-        walk, wanted, estimate, rejected, notes = _decide(record, max_streams, gpu, judge, graphed)
+        walk, wanted, estimate, rejected, notes = _decide(
+            record, max_streams, gpu, by_simulation, graphed
+        )
     else:
         walk = assign_regions(record, max_streams, rule_gpu)
     if stages is not None:
@@ -354,7 +349,7 @@ def learn_plan(
     streams: int = 4,
     stages: Sequence[str] | None = None,
     gpu: ReferenceGPU = H200,
-    by_simulation: bool | None = None,
+    by_simulation: bool = True,
     graphed: bool = False,
 ) -> LearnedPlan:
     """Run one forward of ``model`` under observation and learn its plan (see :func:`learn`).

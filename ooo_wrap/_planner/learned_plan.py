@@ -18,11 +18,10 @@ from .._plan import Plan, StageSource, StepEstimate, plural
 from .cost import ReferenceGPU
 from .observe import CallRecord
 from .placement import BranchPlacement, Lane, RegionPlacement, stage_edges
-from .simulate import BACKWARD_FACTOR, estimate_arm
+from .simulate import estimate_arm
 from .static import static_plan
 
 __all__ = [
-    "EdgeCount",
     "LearnedPlan",
     "LearnedStage",
     "Outcome",
@@ -65,16 +64,6 @@ class StageEdge:
     @property
     def cross_stream(self) -> bool:
         return self.producer_stream != self.consumer_stream
-
-
-@dataclass(frozen=True)
-class EdgeCount:
-    """Stage-to-stage dataflow edges of one forward: all of them, those across streams, and
-    those that split a chain (an edge across streams between two links of one chain)."""
-
-    edges: int
-    cross_stream: int
-    chain_splits: int
 
 
 @dataclass(frozen=True)
@@ -166,18 +155,6 @@ class LearnedPlan:
         return {stage.name: stage.stream for stage in self.stages}
 
     @property
-    def step_us(self) -> float:
-        """Estimated step time (forward and backward) on one stream."""
-        if self.estimate is not None:
-            return self.estimate.one_stream_us
-        return self.forward_us * (1 + BACKWARD_FACTOR)
-
-    @property
-    def plan_step_us(self) -> float | None:
-        """Estimated step time with this plan (``None`` if not estimated)."""
-        return None if self.estimate is None else self.estimate.wrapped_us
-
-    @property
     def best_rejected(self) -> RejectedRegion | None:
         """The rejected region that came closest to paying for itself."""
         return max(self.rejected, key=lambda r: r.without_us - r.with_us, default=None)
@@ -216,12 +193,6 @@ class LearnedPlan:
         streams = self.stage_streams
         ids = {c.call_id: streams[c.name] for c in self.record.calls() if c.name in streams}
         return estimate_arm(self.record, ids, gpu, split=split, graphed=graphed)
-
-    def count_edges(self, stage_streams: Mapping[str, int]) -> EdgeCount:
-        """Count the stage edges of any plan (e.g. the static one) on this forward."""
-        edges = edges_between_stages(self.record, stage_streams, self.lanes)
-        cross = [e for e in edges if e.cross_stream]
-        return EdgeCount(len(edges), len(cross), sum(e.chain_link for e in cross))
 
     def to_plan(self, model: nn.Module, source: StageSource = "dataflow") -> Plan:
         """The :class:`Plan` for the scheduler: these stages, on these streams (none for

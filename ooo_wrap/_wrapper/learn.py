@@ -71,7 +71,7 @@ def _learned(
     streams: int,
     named: Plan | None,
     gpu: ReferenceGPU,
-    by_simulation: bool | None,
+    by_simulation: bool,
     graphed: bool,
 ) -> Plan:
     names = None if named is None else [stage.name for stage in named.stages]
@@ -107,10 +107,10 @@ class Learner:
         *,
         gpu: ReferenceGPU | None = None,
         log: EventLog | None = None,
-        by_simulation: bool | None = None,
+        by_simulation: bool = True,
         graphed: bool = False,
     ) -> None:
-        # Keep only regions the estimate says pay (None: the planner's default).
+        # Keep only regions the estimate says pay (False: every region the rule finds).
         self._by_simulation = by_simulation
         # How the plan is priced: as a CUDA graph replay of the step, or eager launches.
         # Set before the observed forward (``registry.price_as_graph_replay``).

@@ -200,9 +200,9 @@ class WrapState:
                 gpu=options.gpu,
                 log=self.log,
                 # Where the device decides (or an arm is pinned), every region the rule
-                # finds is a candidate; else the planner's default (the simulator keeps
-                # only the regions its estimate says pay).
-                by_simulation=False if self.tunes(model) or options.tune_arm else None,
+                # finds is a candidate; else the simulator keeps only the regions its
+                # estimate says pay.
+                by_simulation=not (self.tunes(model) or options.tune_arm is not None),
             )
             hooks = self._hooks["learner"]
             hooks.append(

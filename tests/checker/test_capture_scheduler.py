@@ -61,7 +61,6 @@ def test_a_captured_step_of_towers_runs_on_side_streams(overlap_forward: bool) -
     assert {("side1", "backward"), ("side2", "backward")} <= side
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_the_learned_plan_is_captured_after_an_eager_learning_step() -> None:
     report = check(om.TowersSum(), om.inputs(), capture=True, steps=3, gpu=FREE_FORK)
     assert report.ok and report.captured, str(report)

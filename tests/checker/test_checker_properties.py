@@ -12,9 +12,11 @@ whole forward runs under CPU autocast to bfloat16.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ooo_wrap
 from ooo_wrap.testing import CheckReport, check
+from tests.support.edges import count_edges
 from tests.support.reference import FREE_FORK
 
 WIDTH = 8
@@ -144,16 +147,32 @@ specs = st.builds(
 )
 
 _settings = settings(
-    max_examples=110,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 
 
-@_settings
-@given(spec=specs)
-def test_random_models_pass_with_bitwise_parity(spec: Spec) -> None:
+def examples(sample: int, exhaustive: int) -> list[Any]:
+    """How many models a test draws: ``sample`` in the default run, ``exhaustive`` (the
+    same test over more of the grammar) under ``pytest -m slow``."""
+    return [
+        pytest.param(sample, id=f"{sample}-models"),
+        pytest.param(exhaustive, id=f"{exhaustive}-models", marks=pytest.mark.slow),
+    ]
+
+
+def draw(body: Callable[..., None], models: int, **strategies: Any) -> None:
+    """Run ``body`` on ``models`` draws of ``strategies`` (the same draws every run)."""
+    settings(_settings, max_examples=models)(given(**strategies)(body))()
+
+
+@pytest.mark.parametrize("models", examples(40, 110))
+def test_random_models_pass_with_bitwise_parity(models: int) -> None:
+    draw(_passes_with_bitwise_parity, models, spec=specs)
+
+
+def _passes_with_bitwise_parity(spec: Spec) -> None:
     torch.manual_seed(0)
     model = GrammarModel(spec)
     x = torch.randn(4, WIDTH)
@@ -164,11 +183,14 @@ def test_random_models_pass_with_bitwise_parity(spec: Spec) -> None:
     assert len(used) == min(spec.streams, len(ooo_wrap.plan(model).stages)), str(report)
 
 
-@settings(_settings, max_examples=30)
-@given(spec=specs)
-def test_random_models_pass_with_deferred_joins(spec: Spec) -> None:
+@pytest.mark.parametrize("models", examples(15, 30))
+def test_random_models_pass_with_deferred_joins(models: int) -> None:
     """The same grammar under overlap_forward: every stage's join left pending until its
     output is touched (a parent op, the next stage, the end of the forward)."""
+    draw(_passes_with_deferred_joins, models, spec=specs)
+
+
+def _passes_with_deferred_joins(spec: Spec) -> None:
     torch.manual_seed(0)
     model = GrammarModel(spec)
     x = torch.randn(4, WIDTH)
@@ -188,9 +210,13 @@ def _assert_ok_or_runs_plain(report: CheckReport, spec: Spec) -> None:
         assert report.parity and all(entry.exact for entry in report.parity), str(report)
 
 
-@_settings
-@given(spec=specs, steps=st.integers(min_value=1, max_value=3))
-def test_random_models_with_a_custom_loss_and_explicit_stages(spec: Spec, steps: int) -> None:
+@pytest.mark.parametrize("models", examples(40, 110))
+def test_random_models_with_a_custom_loss_and_explicit_stages(models: int) -> None:
+    steps = st.integers(min_value=1, max_value=3)
+    draw(_custom_loss_passes, models, spec=specs, steps=steps)
+
+
+def _custom_loss_passes(spec: Spec, steps: int) -> None:
     torch.manual_seed(1)
     model = GrammarModel(spec)
     stages = ["stem"]
@@ -216,11 +242,12 @@ def test_random_models_with_a_custom_loss_and_explicit_stages(spec: Spec, steps:
 
 # Structure only: these models are far too small for any fork to pay on a real GPU, so the
 # learner's reference GPU gets a near-free fork; the plan it learns is then checked as is.
-@settings(
-    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
-)
-@given(spec=specs)
-def test_random_models_pass_with_the_learned_plan(spec: Spec) -> None:
+@pytest.mark.parametrize("models", examples(25, 60))
+def test_random_models_pass_with_the_learned_plan(models: int) -> None:
+    draw(_learned_plan_passes, models, spec=specs)
+
+
+def _learned_plan_passes(spec: Spec) -> None:
     torch.manual_seed(2)
     model = GrammarModel(spec)
     x = torch.randn(4, WIDTH)
@@ -230,7 +257,7 @@ def test_random_models_pass_with_the_learned_plan(spec: Spec) -> None:
     options = {"streams": spec.streams, "steps": 3, "gpu": FREE_FORK}
     report = check(model, x, split_weight_grads=False, tune_arm=arm, **options)  # type: ignore[arg-type]
     assert learned.learned is not None
-    edges = learned.learned.count_edges(learned.learned.stage_streams)
+    edges = count_edges(learned.learned, learned.learned.stage_streams)
     assert edges.chain_splits == 0, f"{spec}\n{learned}"
     _assert_ok_or_runs_plain(report, spec)
     if arm is not None:

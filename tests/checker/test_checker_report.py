@@ -143,7 +143,6 @@ class SparseTowers(nn.Module):
 # These models are far too small for a fork to pay on a real GPU: with the dataflow planner
 # the learner's reference GPU gets a near-free fork, so that a plan is learned and checked.
 @pytest.mark.parametrize("planner", ["static", "dataflow"])
-@pytest.mark.usefixtures("plan_by_rule")
 def test_sparse_gradients_are_compared(planner: Planner) -> None:
     report = check(SparseTowers(), torch.randint(0, 10, (3, 5)), planner=planner, gpu=FREE_FORK)
     assert report.ok, str(report)
@@ -174,7 +173,6 @@ class Masked(nn.Module):
 
 
 @pytest.mark.parametrize("planner", ["static", "dataflow"])
-@pytest.mark.usefixtures("plan_by_rule")
 def test_check_takes_keyword_inputs(planner: Planner) -> None:
     x, mask = torch.randn(3, 6), torch.ones(3, 6, requires_grad=True)
     kwargs = {"mask": mask, "scale": 0.5}

@@ -21,6 +21,7 @@ from ooo_wrap._planner.placement import assign_named, assign_regions
 from ooo_wrap._planner.simulate import estimate_arm
 from ooo_wrap.testing import check
 from tests.support import dataflow_models as models
+from tests.support.edges import count_edges
 from tests.support.models import SHAPES, Shape
 
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]] = {
@@ -79,7 +80,7 @@ def test_inception_chain_links_share_a_stream_and_no_stage_is_outside_a_region(
         assert streams[b2] == streams[b2_conv]  # a two-call chain on a side stream
         # the three-call chain is the heaviest branch: all of it inline, none a stage
         assert not any(f"blocks.{block}.b3" in name for name in streams)
-    assert learned.count_edges(streams).chain_splits == 0
+    assert count_edges(learned, streams).chain_splits == 0
 
 
 def test_inception_with_fewer_streams_than_branches_balances_and_keeps_chains(
@@ -99,7 +100,7 @@ def test_inception_with_fewer_streams_than_branches_balances_and_keeps_chains(
             for s, load in loads.items()
         }
         assert others[lightest.stream] == min(others.values())
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
     assert max(learned.stage_streams.values()) < 2
 
 
@@ -122,7 +123,6 @@ def test_chains_have_no_parallelism_and_name_their_longest_chain(
     assert learned.to_plan(model).stages == ()
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     _, learned = learned_case("two_tower")
     streams = learned.stage_streams
@@ -132,19 +132,19 @@ def test_two_towers_get_different_streams_and_cheap_links_run_inline() -> None:
     # The projections and the embedding (under 3 µs each) would not outlast a fork/join.
     assert not {"query_proj", "doc_proj", "embed"} & set(streams)
     assert all(s.device_us > H200.fork_join_us * s.calls for s in learned.stages)
-    assert learned.count_edges(streams).chain_splits == 0
+    assert count_edges(learned, streams).chain_splits == 0
     # With a near-free fork the projections keep their tower's stream, and the shared
     # embedding, called once per tower on two streams, runs inline.
     model, inputs = CASES["two_tower"]
     torch.manual_seed(0)
     tiny = dataclasses.replace(H200, fork_join_us=1e-6)
-    free = learn_plan(model(), inputs(), streams=4, gpu=tiny)
+    free = learn_plan(model(), inputs(), streams=4, gpu=tiny, by_simulation=False)
     streams = free.stage_streams
     assert streams.get("query_proj") == streams.get("query_tower")
     assert streams.get("doc_proj") == streams.get("doc_tower")
     assert "embed" not in streams
     assert any(note.startswith("embed runs inline") for note in free.notes)
-    assert free.count_edges(streams).chain_splits == 0
+    assert count_edges(free, streams).chain_splits == 0
 
 
 def test_moe_finds_shared_against_routed_and_the_experts_apart() -> None:
@@ -156,7 +156,7 @@ def test_moe_finds_shared_against_routed_and_the_experts_apart() -> None:
     assert shared.stream != routed.stream
     assert [f"experts.{i}" for i in range(4)] == list(routed.calls[1:])
     assert len({b.stream for b in experts.branches}) == 4
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
 
 
 def test_a_chain_split_across_streams_is_counted() -> None:
@@ -164,7 +164,7 @@ def test_a_chain_split_across_streams_is_counted() -> None:
     learned = learn_plan(model, (models.inception_input(),))
     split = dict(learned.stage_streams)
     split["blocks.0.b2_conv"] = split["blocks.0.b2"] + 1
-    assert learned.count_edges(split).chain_splits == 1
+    assert count_edges(learned, split).chain_splits == 1
 
 
 def test_user_named_stages_keep_their_names_and_get_streams_by_dependency() -> None:
@@ -178,7 +178,7 @@ def test_user_named_stages_keep_their_names_and_get_streams_by_dependency() -> N
     assert len({streams[n] for n in branches}) == 4
     learned = learn(record, 4, stages=names)
     assert learned.outcome == "named" and set(learned.stage_streams) == set(names)
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
     chain = observe(models.ResidualChain(depth=3), (torch.randn(4, 512),))
     blocks = [f"blocks.{i}" for i in range(3)]
     assert set(assign_named(chain, blocks, 4).values()) == {0}  # a chain stays on one stream
@@ -219,7 +219,8 @@ def test_the_table_labels_estimates_with_the_reference_gpu(
     text = str(learned)
     assert f"estimate on {H200.name}" in text
     assert "region blocks.0 (width 4)" in text and "blocks.0.pool" in text
-    assert learned.plan_step_us is not None and learned.plan_step_us < learned.step_us
+    assert learned.estimate is not None
+    assert learned.estimate.wrapped_us < learned.estimate.one_stream_us
     assert learned.fork_join_us == H200.fork_join_us * len(learned.stages)
 
 
@@ -264,11 +265,10 @@ class InceptionTowers(nn.Module):
         return sum((tower(x).mean((2, 3)) for tower in self.towers), torch.zeros(()))
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_a_region_inside_a_branch_avoids_the_streams_of_concurrent_branches() -> None:
     model = InceptionTowers().to("meta")
     x = torch.empty(32, 64, 56, 56, device="meta")
-    learned = learn_plan(model, (x,), streams=12)
+    learned = learn_plan(model, (x,), streams=12, by_simulation=False)
     outer, *inner = learned.regions
     assert outer.name == "<root>" and len(inner) == 3
     towers = {b.calls[0].split(".")[1]: b.stream for b in outer.branches}
@@ -278,7 +278,7 @@ def test_a_region_inside_a_branch_avoids_the_streams_of_concurrent_branches() ->
         assert towers[tower] in mine  # the heaviest inner branch stays on the tower's stream
         others = {s for t, s in towers.items() if t != tower}
         assert not mine & others  # no inner branch on a concurrent tower's stream
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
 
 
 def test_named_convolutions_stay_on_their_branch_stream_unlike_round_robin() -> None:
@@ -290,8 +290,8 @@ def test_named_convolutions_stay_on_their_branch_stream_unlike_round_robin() -> 
     ]
     learned = learn_plan(model, (models.inception_input(),), streams=4, stages=names)
     static = {s.name: s.stream for s in plan(model, 4, stages=names).stages}
-    assert learned.count_edges(static).chain_splits > 0
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, static).chain_splits > 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
 
 
 @pytest.mark.parametrize(
@@ -305,8 +305,8 @@ def test_learned_plans_split_no_chain_where_round_robin_does(case: str, static_s
     n stages all n - 1 edges split it (Inception: stem, blocks, head).
     """
     model, learned = learned_case(case)
-    static = learned.count_edges({s.name: s.stream for s in plan(model, 4).stages})
-    mine = learned.count_edges(learned.stage_streams)
+    static = count_edges(learned, {s.name: s.stream for s in plan(model, 4).stages})
+    mine = count_edges(learned, learned.stage_streams)
     assert mine.chain_splits == 0
     assert static.chain_splits == static_splits
     assert mine.edges == len(learned.edges)
@@ -321,7 +321,7 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     args, _ = shape.make_inputs()
     tiny = dataclasses.replace(H200, fork_join_us=1e-6)
     learned = learn_plan(model, args, streams=4, gpu=tiny)
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
     if learned.outcome == "no_parallelism":
         return
     learned.to_plan(model)  # valid: known, disjoint names
@@ -333,13 +333,12 @@ def test_learned_stages_of_the_parity_models_are_checked_clean(shape: Shape) -> 
     assert len(side) == len(set(learned.stage_streams.values()))
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_branches_updating_shared_running_statistics_are_one_chain() -> None:
     """Batch norm in training writes its running statistics though its schema says it only
     reads them: two branches updating the same ones must not overlap."""
     model, x = models.SharedStats(), torch.randn(32, 64)
     tiny = dataclasses.replace(H200, fork_join_us=1e-6)
-    learned = learn_plan(model, (x,), streams=2, gpu=tiny)
+    learned = learn_plan(model, (x,), streams=2, gpu=tiny, by_simulation=False)
     (region,) = learned.regions
     assert sorted(branch.calls for branch in region.branches) == [("a", "b"), ("c",)]
     report = check(
@@ -389,15 +388,15 @@ def towers_per_side_stream(streams: dict[str, int]) -> dict[int, set[str]]:
     return towers
 
 
-@pytest.mark.usefixtures("plan_by_rule")  # the towers' region kept: they run at once
 def test_clip_towers_share_no_side_stream_and_no_stage_costs_less_than_its_fork_join() -> None:
     # Regression: the image tower (on a side stream) was split into one stage per block link,
     # layer norms of 4 µs among them, and both towers' k_proj and v_proj shared two streams.
     torch.manual_seed(0)
     model = models.Clip().to("meta")
-    the_plan = ooo_wrap.plan(model, streams=4, example_inputs=models.clip_inputs())
-    learned = the_plan.learned
-    assert learned is not None and learned.outcome == "parallel"
+    # Every region the rule finds (the towers' region kept: they run at once).
+    learned = learn_plan(model, models.clip_inputs(), streams=4, by_simulation=False)
+    the_plan = learned.to_plan(model, "dataflow")
+    assert the_plan.learned is learned and learned.outcome == "parallel"
     streams = {stage.name: stage.stream for stage in the_plan.stages}
     assert streams == learned.stage_streams
     towers = towers_per_side_stream(streams)
@@ -457,14 +456,15 @@ def test_clip_runs_the_image_towers_cheap_projection_on_its_stream_where_that_pa
 
 
 @pytest.mark.parametrize("streams", [2, 4, 8])
-@pytest.mark.usefixtures("plan_by_rule")
 def test_inner_regions_of_concurrent_towers_get_disjoint_streams(streams: int) -> None:
     """With a near-free fork every tower splits into its links: the q/k/v regions of the two
     towers run at once and must not queue on each other's streams."""
     torch.manual_seed(0)
     model = models.Clip(depth=2).to("meta")
     tiny = dataclasses.replace(H200, fork_join_us=1e-6)
-    learned = learn_plan(model, models.clip_inputs(), streams=streams, gpu=tiny)
+    learned = learn_plan(
+        model, models.clip_inputs(), streams=streams, gpu=tiny, by_simulation=False
+    )
     towers = towers_per_side_stream(learned.stage_streams)
     assert all(len(mine) == 1 for mine in towers.values()), towers
     inner = {
@@ -480,7 +480,7 @@ def test_inner_regions_of_concurrent_towers_get_disjoint_streams(streams: int) -
     image = set().union(*(used for name, used in inner.items() if name.startswith("vision")))
     text = set().union(*(used for name, used in inner.items() if name.startswith("text")))
     assert not image & text, (image, text)
-    assert learned.count_edges(learned.stage_streams).chain_splits == 0
+    assert count_edges(learned, learned.stage_streams).chain_splits == 0
 
 
 def test_a_region_that_takes_its_inner_regions_streams_is_judged_against_neither() -> None:

@@ -152,7 +152,6 @@ class Fork(nn.Module):
     ("fork_join_us", "leaving"),
     [(0.5, {"mid", "short"}), (1.5, {"mid"}), (5.0, set())],
 )
-@pytest.mark.usefixtures("plan_by_rule")
 def test_a_branch_leaves_only_if_it_outlasts_its_fork_and_join(
     fork_join_us: float, leaving: set[str]
 ) -> None:
@@ -166,12 +165,12 @@ def test_a_branch_leaves_only_if_it_outlasts_its_fork_and_join(
     names = [next(b.calls()).name for b in parallel.branches]
     if not leaving:
         assert choice is None
-        assert learn(record, 4, gpu=gpu).outcome == "no_parallelism"
+        assert learn(record, 4, gpu=gpu, by_simulation=False).outcome == "no_parallelism"
         return
     assert choice is not None
     assert names[choice.heaviest] == "long"  # stays on the caller's stream
     assert {names[i] for i in choice.leaving} == leaving
-    learned = learn(record, 4, gpu=gpu)
+    learned = learn(record, 4, gpu=gpu, by_simulation=False)
     assert set(learned.stage_streams) == leaving
     assert "stem" not in learned.stage_streams  # a chain link outside the region
 
@@ -195,14 +194,13 @@ class ForkWithIdentity(Fork):
         return self.long(x) + self.mid_b(self.nothing(self.mid_a(x))) + self.short(x)
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_a_link_that_launches_no_kernel_is_neither_a_stage_nor_counted_by_the_rule() -> None:
     record = observe(ForkWithIdentity(), (torch.randn(2, 4),), op_cost=one_us)
     # mid costs 2 µs over 2 kernel-launching calls: it leaves at 0.9 µs per fork, not at 1.1
-    leaves = learn(record, 4, gpu=dataclasses.replace(H200, fork_join_us=0.9))
+    leaves = learn(record, 4, gpu=dataclasses.replace(H200, fork_join_us=0.9), by_simulation=False)
     assert set(leaves.stage_streams) == {"mid_a", "mid_b", "short"}
     assert leaves.stage_streams["mid_a"] == leaves.stage_streams["mid_b"]
-    stays = learn(record, 4, gpu=dataclasses.replace(H200, fork_join_us=1.1))
+    stays = learn(record, 4, gpu=dataclasses.replace(H200, fork_join_us=1.1), by_simulation=False)
     assert stays.outcome == "no_parallelism"
 
 
@@ -283,13 +281,12 @@ class PricedFork(nn.Module):
         (3, {"side.pre", "side.a", "side.b", "side.post"}),  # every link pays: split
     ],
 )
-@pytest.mark.usefixtures("plan_by_rule")
 def test_a_branch_is_priced_as_the_stages_it_runs_as(ends: int, stages: set[str]) -> None:
     # Regression: side was priced as one stage call, then run as one stage per link,
     # pre and post (1 µs) among them; tail (1 µs) was a stage of its own too.
     record = observe(PricedFork(ends), (torch.randn(2, 4),), op_cost=one_us)
     gpu = dataclasses.replace(H200, fork_join_us=2.0)
-    learned = learn(record, 4, gpu=gpu)
+    learned = learn(record, 4, gpu=gpu, by_simulation=False)
     assert set(learned.stage_streams) == stages
     for stage in learned.stages:
         assert stage.device_us > stage.calls * gpu.fork_join_us, stage

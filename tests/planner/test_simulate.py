@@ -197,7 +197,9 @@ def test_the_quickstart_gets_one_estimate_in_its_table_and_check() -> None:
 
     model, x = quickstart.build_model(), quickstart.example_input()
     table = ooo_wrap.plan(model, example_inputs=(x,)).estimate
-    report = check(model, x)
+    # The stage arms, whose figure the table gives (test_checker_examples.py proves the
+    # quickstart's split arms too).
+    report = check(model, x, split_weight_grads=False)
     assert report.ok and table is not None
     assert report.estimate.speedup == pytest.approx(table.speedup, rel=0.01)
     assert report.estimate.wrapped_us == pytest.approx(table.wrapped_us, rel=0.01)

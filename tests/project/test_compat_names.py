@@ -10,9 +10,11 @@ the hidden name.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -113,3 +115,115 @@ def test_each_name_hidden_leaves_one_warning_naming_it(path: str) -> None:
         assert result["check"] == f"OOOError: {path}"
     else:
         assert result["check"] == ("not checked" if path in PLAIN else "ok")
+
+
+# --- every private name _compat.py reads is listed ----------------------------------------
+
+# Private attributes _compat.py reads on objects (not on a ``torch`` path) whose name is
+# not the last part of a listed name: none is torch's.
+NOT_TORCH = {
+    "_target": "threading.Thread's, the thread's function (replace_thread_target)",
+    "_ooo_wrap_unpacks": "ooo_wrap's own mark on a checkpoint hook class it made",
+}
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``torch.a.b`` as ``"torch.a.b"``, ``getattr(torch.a, "b", ...)`` too; else ``None``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    if _getattr_name(node) is not None:
+        assert isinstance(node, ast.Call)
+        base = _dotted(node.args[0])
+        return None if base is None else f"{base}.{_getattr_name(node)}"
+    return None
+
+
+def _getattr_name(node: ast.AST) -> str | None:
+    """``"b"`` for ``getattr(x, "b", ...)``."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        return None
+    if node.func.id != "getattr" or len(node.args) < 2:
+        return None
+    name = node.args[1]
+    return name.value if isinstance(name, ast.Constant) and isinstance(name.value, str) else None
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_reads(source: str) -> tuple[set[str], set[str]]:
+    """The private ``torch`` paths ``source`` reads (attributes, ``getattr`` with a constant
+    name, imports, dotted strings such as :func:`_compat.private` takes), and the private
+    attribute names it reads on other objects; ``if TYPE_CHECKING:`` blocks left out."""
+    tree = ast.parse(source)
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        for child in node.body
+        for inner in ast.walk(child)
+    }
+    paths: set[str] = set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        found: list[str] = []
+        if isinstance(node, ast.Attribute | ast.Call):
+            path = _dotted(node)
+            if path is not None and path.startswith("torch."):
+                found.append(path)
+            elif isinstance(node, ast.Attribute) and _is_private(node.attr):
+                names.add(node.attr)
+            elif (name := _getattr_name(node)) is not None and _is_private(name):
+                names.add(name)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            found += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.Constant) and re.fullmatch(r"torch(\.\w+)+", str(node.value)):
+            found.append(str(node.value))
+        paths |= {p for p in found if any(map(_is_private, p.split(".")[1:]))}
+    return paths, names
+
+
+def unlisted(paths: set[str], names: set[str]) -> list[str]:
+    """What :func:`private_reads` found that ``PRIVATE_NAMES`` does not list (a path on the
+    way to a listed one, such as its module, counts as listed)."""
+    missing = [p for p in paths if p not in PATHS and not any(q.startswith(f"{p}.") for q in PATHS)]
+    last_parts = {path.rsplit(".", 1)[1] for path in PATHS}
+    missing += [n for n in names if n not in last_parts and n not in NOT_TORCH]
+    return sorted(missing)
+
+
+def test_every_private_name_compat_reads_is_listed() -> None:
+    source = pathlib.Path(_compat.__file__).read_text(encoding="utf-8")
+    paths, names = private_reads(source)
+    assert "torch._C._len_torch_function_stack" in paths  # it sees what it must check
+    assert "_cdata" in names
+    assert unlisted(paths, names) == [], (
+        "list each in _compat.PRIVATE_NAMES and read it through _compat.private()"
+    )
+
+
+def test_the_listing_check_finds_each_way_of_reading_a_name() -> None:
+    # Mutation: each way of reading an unlisted private name is caught.
+    reads = {
+        "getattr(torch._C, '_unlisted', None)": "torch._C._unlisted",
+        "torch._C._unlisted()": "torch._C._unlisted",
+        "from torch._unlisted import thing": "torch._unlisted.thing",
+        "import torch._unlisted": "torch._unlisted",
+        "private('torch.utils._unlisted')": "torch.utils._unlisted",
+        "tensor._unlisted": "_unlisted",
+        "getattr(node, '_unlisted')": "_unlisted",
+    }
+    for code, name in reads.items():
+        assert unlisted(*private_reads(code)) == [name], code
+    typing_only = "if TYPE_CHECKING:\n    from torch._unlisted import Thing\n"
+    assert unlisted(*private_reads(typing_only)) == []
+    listed = "torch._C._len_torch_function_stack(); torch.utils._python_dispatch"
+    assert unlisted(*private_reads(listed)) == []

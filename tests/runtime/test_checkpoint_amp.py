@@ -347,7 +347,6 @@ def _check_branches(
 @pytest.mark.parametrize("overlap_forward", [False, True], ids=["joins", "overlap_forward"])
 @pytest.mark.parametrize("planner", ["static", "dataflow"])
 @pytest.mark.parametrize("branches", [2, 3], ids=["two_stages", "three_stages"])
-@pytest.mark.usefixtures("plan_by_rule")
 def test_checkpointed_region_of_stages_passes_the_race_check(
     branches: int, planner: str, overlap_forward: bool
 ) -> None:

@@ -24,10 +24,12 @@ from ooo_wrap._plan import Plan
 from ooo_wrap.testing import SimulatedBackend, check
 from tests.support import dataflow_models as models
 from tests.support import doc_tables
+from tests.support.edges import count_edges
 
-# These tests are about how the wrapper learns and runs a plan, on small models: every
-# region the region rule finds is kept (tests/planner/test_simulate.py covers which ones the
-# simulated step pays for).
+# These tests are about how the wrapper learns and runs a plan, on small models: most pin the
+# regions arm (tune_arm="regions"), which keeps every region the region rule finds, where
+# the default keeps only the regions whose simulated step pays (at these sizes none does;
+# tests/planner/test_simulate.py covers which ones pay).
 
 Case = tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]
 
@@ -77,9 +79,10 @@ def train_step(model: nn.Module, inputs: tuple[Any, ...]) -> None:
 
 @functools.cache
 def learned(case: str) -> tuple[nn.Module, Plan]:
-    """``case`` wrapped with the default planner after one training step (once a session)."""
+    """``case`` wrapped with the regions arm pinned (every region the rule finds) after one
+    training step (once a session)."""
     model, inputs = build(case)
-    wrapped = OOOModule(model, backend=SimulatedBackend())
+    wrapped = OOOModule(model, backend=SimulatedBackend(), tune_arm="regions")
     assert wrapped.plan.pending
     train_step(wrapped, inputs)
     return wrapped, wrapped.plan
@@ -90,10 +93,9 @@ def stream_of(the_plan: Plan, name: str) -> int | None:
     return next((s.stream for s in the_plan.stages if s.name == name), None)
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_the_plan_says_it_will_be_learned_then_shows_the_learned_table() -> None:
     model, inputs = build("two_tower")
-    wrapped = OOOModule(model, backend=SimulatedBackend())
+    wrapped = OOOModule(model, backend=SimulatedBackend(), tune_arm="regions")
     assert "to be learned" in str(wrapped.plan) and not wrapped.plan.stages
     train_step(wrapped, inputs)
     table = str(wrapped.plan)
@@ -104,7 +106,6 @@ def test_the_plan_says_it_will_be_learned_then_shows_the_learned_table() -> None
     assert learned_event.reason == "learned" and "not a measurement" in learned_event.message
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_inception_gets_the_block_branches_on_distinct_streams_and_chains_on_one() -> None:
     _, the_plan = learned("inception")
     assert the_plan.stages and all(s.name.startswith("blocks.") for s in the_plan.stages)
@@ -123,7 +124,7 @@ def test_inception_gets_the_block_branches_on_distinct_streams_and_chains_on_one
         side = [s for s in streams if s is not None]
         assert len(side) == len(set(side)) and len(side) >= 1  # distinct, heaviest inline
     assert the_plan.learned is not None
-    assert the_plan.learned.count_edges(the_plan.learned.stage_streams).chain_splits == 0
+    assert count_edges(the_plan.learned, the_plan.learned.stage_streams).chain_splits == 0
 
 
 @pytest.mark.parametrize("case", ["residual", "gpt"])
@@ -148,7 +149,6 @@ def test_chains_learn_no_parallelism_and_then_make_no_backend_call(case: str) ->
     train_step(plain, inputs)
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_two_towers_run_on_different_streams_with_their_projections() -> None:
     _, the_plan = learned("two_tower")
     query, doc = stream_of(the_plan, "query_tower"), stream_of(the_plan, "doc_tower")
@@ -157,7 +157,6 @@ def test_two_towers_run_on_different_streams_with_their_projections() -> None:
         assert stream_of(the_plan, proj) in (stream_of(the_plan, tower), None)
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_moe_finds_the_shared_expert_against_the_routed_ones() -> None:
     _, the_plan = learned("moe")
     assert the_plan.learned is not None and the_plan.learned.regions
@@ -167,7 +166,6 @@ def test_moe_finds_the_shared_expert_against_the_routed_ones() -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.usefixtures("plan_by_rule")
 def test_check_learns_on_the_first_step_and_is_clean_with_bitwise_parity(case: str) -> None:
     model, inputs = build(case)
     _, the_plan = learned(case)
@@ -202,8 +200,8 @@ def test_cross_stream_waits_per_step_learned_against_static(
     assert learned_plan is not None
     static_model, _ = build(case)
     static_streams = {s.name: s.stream for s in ooo_wrap.plan(static_model).stages}
-    mine = learned_plan.count_edges(learned_plan.stage_streams)
-    theirs = learned_plan.count_edges(static_streams)
+    mine = count_edges(learned_plan, learned_plan.stage_streams)
+    theirs = count_edges(learned_plan, static_streams)
     with capsys.disabled():
         print(
             f"\n{case}: learned {learned_plan.outcome}; cross-stream waits per step learned "
@@ -234,10 +232,9 @@ def test_the_planner_page_shows_one_cross_stream_row_per_case() -> None:
     assert named == [[case] for case in CASES], f"{PLANNER_PAGE.name}: {named}"
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_no_grad_and_disabled_forwards_do_not_learn() -> None:
     model, inputs = build("two_tower")
-    wrapped = OOOModule(model, backend=SimulatedBackend())
+    wrapped = OOOModule(model, backend=SimulatedBackend(), tune_arm="regions")
     with torch.no_grad():
         wrapped(*inputs)
     with ooo_wrap.disabled():
@@ -247,10 +244,9 @@ def test_no_grad_and_disabled_forwards_do_not_learn() -> None:
     assert not wrapped.plan.pending and wrapped.plan.stages
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_a_forward_that_raises_while_observed_learns_on_the_next_one() -> None:
     model, inputs = build("two_tower")
-    wrapped = OOOModule(model, backend=SimulatedBackend())
+    wrapped = OOOModule(model, backend=SimulatedBackend(), tune_arm="regions")
     hooks_before = {name: len(m._forward_hooks) for name, m in wrapped.named_modules()}
     with pytest.raises(RuntimeError):
         wrapped(inputs[0][:, :3].float(), inputs[1])  # float ids: the embedding raises
@@ -340,14 +336,19 @@ def test_replan_is_refused_for_the_static_planner() -> None:
         wrapped.replan()
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_plan_with_example_inputs_is_the_plan_the_wrapper_learns() -> None:
     model, inputs = build("inception")
     stats_before = copy.deepcopy(model.blocks[0].b1[1].running_mean)
     offline = ooo_wrap.plan(model, example_inputs=inputs)
     assert torch.equal(model.blocks[0].b1[1].running_mean, stats_before)  # learned on a copy
-    _, online = learned("inception")
+    wrapped = OOOModule(build("inception")[0], backend=SimulatedBackend())
+    train_step(wrapped, inputs)
+    online = wrapped.plan
     assert offline == online and offline.source == "dataflow"
+    # The whole learned plan, estimates included: both blocks' regions weighed (at this
+    # size the simulated step pays for neither, so both plans keep no stage).
+    assert offline.learned == online.learned
+    assert offline.learned is not None and len(offline.learned.rejected) == 2
 
 
 def test_named_stages_keep_their_names_and_learn_their_streams() -> None:
@@ -389,7 +390,6 @@ def test_a_deep_copy_of_a_learned_model_learns_its_own_plan() -> None:
     assert clone.plan == wrapped.plan
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_check_with_one_step_says_nothing_was_checked() -> None:
     model, inputs = build("two_tower")
     report = check(model, *inputs, loss_fn=loss, steps=1)

@@ -23,15 +23,15 @@ from tests.support import dataflow_models
 from tests.support.models import FailingTowers, hook_snapshot, two_tower_input
 from tests.support.reference import FREE_FORK
 
-pytestmark = pytest.mark.usefixtures("plan_by_rule")
-
 # These models are far too small for a fork to pay on a real GPU: the learner's reference
-# GPU gets a near-free fork, so that the dataflow planner puts the branches on streams.
+# GPU gets a near-free fork, and the regions arm is pinned (every region the rule finds
+# kept, where the default keeps only those whose simulated step pays), so that the
+# dataflow planner puts the branches on streams.
 
 
 def wrap(model: nn.Module) -> Any:
-    """``model`` wrapped with the default planner on virtual streams."""
-    return OOOModule(model, backend=SimulatedBackend(), gpu=FREE_FORK)
+    """``model`` wrapped with the dataflow planner's regions arm on virtual streams."""
+    return OOOModule(model, backend=SimulatedBackend(), gpu=FREE_FORK, tune_arm="regions")
 
 
 def dispatch_depth() -> int:

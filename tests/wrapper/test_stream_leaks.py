@@ -40,7 +40,6 @@ def _in_flight() -> tuple[list[object], list[object]]:
     return list(thread_state.frames), list(thread_state.calls)
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_two_models_sharing_a_stage_module_leave_the_callers_stream() -> None:
     backend = SimulatedBackend()
     shared = nn.Linear(4, 4)
@@ -119,7 +118,6 @@ class _CallsRoot(nn.Module):
         return out
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_the_root_called_from_inside_one_of_its_stages() -> None:
     backend = SimulatedBackend(keep_all=True)
     model = Recursive()

@@ -659,7 +659,6 @@ def test_a_plain_step_recomputes_checkpointed_stages_inline() -> None:
     assert set(plain_ms(tuning)) == {10.0}  # no recomputed stage forked in a plain step
 
 
-@pytest.mark.usefixtures("plan_by_rule")
 def test_retuning_leaves_no_old_scheduler_alive() -> None:
     import gc
     import weakref

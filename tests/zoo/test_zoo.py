@@ -12,13 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
-from ooo_wrap._planner import dataflow
 from ooo_wrap._wrapper.options import Planner
 from ooo_wrap.testing import CaptureError, CheckReport, check
 from tests.support.reference import FREE_FORK
@@ -169,29 +167,26 @@ HF_CASES.append(
 CASES = [pytest.param(case, id=case.name) for case in CNN_CASES + HF_CASES]
 
 
-# Structure only: at these tiny sizes no fork pays on a real GPU, and a model whose
-# learned plan is no_parallelism runs plain and checks nothing; with a near-free fork
-# (FREE_FORK) and
-# every region the region rule finds kept (the simulated step of a tiny model pays for
-# none) the dataflow planner learns the parallel structure of the architecture, which is
-# checked.
+# Structure only: at these tiny sizes no fork pays on a real GPU; with a near-free fork
+# (FREE_FORK) the dataflow planner learns the parallel structure of the architecture, and
+# check() proves every candidate arm, each learned with every region the region rule finds
+# (the simulated step of a tiny model pays for none).
 
 
 def _run(case: Case, *, capture: bool = False) -> CheckReport:
     torch.manual_seed(0)
     model, inputs = case.build()
-    with mock.patch.object(dataflow, "BY_SIMULATION", False):
-        return check(
-            model,
-            *inputs,
-            loss_fn=case.loss_fn,
-            streams=case.streams,
-            stages=list(case.stages) if case.stages is not None else None,
-            steps=2,
-            planner=case.planner,
-            capture=capture,
-            gpu=FREE_FORK,
-        )
+    return check(
+        model,
+        *inputs,
+        loss_fn=case.loss_fn,
+        streams=case.streams,
+        stages=list(case.stages) if case.stages is not None else None,
+        steps=2,
+        planner=case.planner,
+        capture=capture,
+        gpu=FREE_FORK,
+    )
 
 
 def _findings(report: CheckReport) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
