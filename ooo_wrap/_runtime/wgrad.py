@@ -105,6 +105,8 @@ _MESSAGES = {
     "fsdp": "the layer is managed by fully_shard (FSDP2), whose post-backward reads .grad "
     "in the middle of backward and orders its reduce-scatter after the caller's stream only: "
     "stock layer",
+    "autocast_weight": "under autocast, the layer's op saved no cast of the weight to read "
+    "(a float64 weight, or a registered layer whose op does not save it): stock layer",
     "create_graph": "backward with create_graph=True: weight gradients computed inline, "
     "differentiably",
 }
@@ -255,9 +257,16 @@ class WeightGradSplit:
             return original.forward(layer, x)
         weight, bias = _params(layer)
         assert weight is not None  # _reason refused a layer without one
+        # Counted first: a checkpoint's recomputation may stop inside the call, once the
+        # split node has saved what the backward needs.
         self.counters.split_layer_calls += 1
         call = LayerCall(self, rule, layer, self.stream(weight.device))
-        return run_split(call, x, weight, bias)
+        out = run_split(call, x, weight, bias)
+        if out is None:
+            self.counters.split_layer_calls -= 1
+            self.step_aside("autocast_weight")
+            return original.forward(layer, x)
+        return out
 
 
 class _Lag:
