@@ -13,14 +13,15 @@ weight-gradient stream):
 1. Forward: the weight (and bias) enter through a pass-through node (:class:`_Handoff`)
    made while ``W`` is current, so its backward runs on ``W``; as it is normally the
    parameter's first use in the graph, the parameter's ``AccumulateGrad`` is made on
-   ``W`` too. The pass-through is a view: no kernel runs on ``W`` in forward.
-   Under autocast (1a), the layer's stock forward then runs on ``A`` on the parameters
-   themselves, so autocast casts them exactly as for the stock layer: through its weight
-   cache, which for the rest of its region serves a cast made before an in-place update
-   (an optimizer step inside the region). The weight its op saved (autocast's cast) is
-   what dI reads; the graph that forward built is dropped.
-2. Forward: the layer's :class:`_Split` node is made on ``A`` and computes the stock math
-   (under autocast, hands on the output of 1a).
+   ``W`` too. The pass-through is a view: no kernel. Under autocast what enters it is
+   autocast's own cast of each parameter, taken through its weight cache (which, for the
+   rest of its region, serves a cast made before an in-place update such as an optimizer
+   step inside the region, as stock layers read it); a cast made now is made on ``W``, so
+   its backward (dW back to the parameter's dtype) runs on ``W``. Those casts are kernels
+   on ``W`` in forward, so ``W`` first waits on an event recorded on ``A`` (the
+   parameters' last writes), and ``A`` then waits on one recorded on ``W`` and
+   ``record_stream``-s the casts, which it reads in the layer's forward and dI.
+2. Forward: the layer's :class:`_Split` node is made on ``A`` and computes the stock math.
 3. Backward of ``_Split`` (on ``A``, the output gradient ``g`` ready there): ``g`` and the
    saved tensors get ``record_stream(W)``, since ``W`` reads them while ``A`` may free
    them; then an event ``e`` is recorded on ``A`` (after the ``record_stream`` calls,
@@ -28,8 +29,7 @@ weight-gradient stream):
    waits on it.
 4. dI is computed on ``A``, then dW (and db) on ``W``, in the parameter's exact dtype,
    shape and strides (the engine would otherwise convert them on ``A``, reading them
-   unordered; under autocast, straight to the parameter's dtype, as the cast's backward
-   would); ``A`` is current again before the backward returns.
+   unordered); ``A`` is current again before the backward returns.
 5. The engine hands dW to the pass-through node on ``W`` (it waits there on ``A``'s ready
    event, which adds nothing), which hands it on from ``W``: every consumer is then
    ordered after dW by the engine's own rules, the accumulator wherever it lives
@@ -55,7 +55,7 @@ anomaly mode, under functorch transforms or ``torch.compile`` tracing, outside a
 forward of the wrapped model (the plain arm of measured tuning, ``ooo_wrap.disabled()``,
 a checkpoint recomputing in backward), for a parameter that is not a plain dense tensor
 (FSDP2's sharded ``DTensor``), where the rule refuses the call, and under autocast where
-the layer's op saves no cast of the weight (1a).
+autocast's cast of a parameter cannot be reached (1.).
 
 The layers' classes are swapped (:func:`swapped_class`, cached per class) only while the
 split is installed; :meth:`WeightGradSplit.remove` restores each exactly. A swapped layer
@@ -108,9 +108,9 @@ _MESSAGES = {
     "fsdp": "the layer is managed by fully_shard (FSDP2), whose post-backward reads .grad "
     "in the middle of backward and orders its reduce-scatter after the caller's stream only: "
     "stock layer",
-    "autocast_weight": "under autocast, the layer's ops saved no cast of the weight for its "
-    "input gradient to read (a registered layer whose ops autocast does not cast, or that "
-    "do not save the weight): stock layer",
+    "autocast_weight": "under autocast, autocast's cast of a parameter could not be reached "
+    "(a parameter of more than two dimensions that the layer's own op does not save): "
+    "stock layer",
     "create_graph": "backward with create_graph=True: weight gradients computed inline, "
     "differentiably",
 }

@@ -42,7 +42,7 @@ class LayerCall(NamedTuple):
 
 def run_split(call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
     """One split layer call (steps 1 and 2) on the current stream ``A``; ``None`` where
-    autocast's cast of the weight cannot be found (the caller then runs the stock layer)."""
+    autocast's cast of a parameter cannot be reached (the caller runs the stock layer)."""
     split, stream = call.split, call.stream
     backend, device = split.backend, weight.device
     ambient = backend.current_stream(device)
@@ -50,68 +50,73 @@ def run_split(call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None) -
         torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     )
     params = (weight,) if bias is None else (weight, bias)
-    # 1. The pass-through node made on W (before the stock forward below, so that it is
-    # the parameters' first use and their accumulators are made on W too).
+    cast = dtype is not None and any(_casts(p, dtype) for p in params)
+    if dtype is not None:
+        x = _autocast(x, dtype)
+    if cast:
+        # 1a. Under autocast the casts run on W, in forward: W first waits on A (the
+        # parameters' last writes, an optimizer step's, were queued there).
+        _fork_casts(backend, stream, ambient)
+    # 1. Autocast's own casts (made now on W, unless its cache holds them) and the
+    # pass-through node, made on W.
     backend.set_stream(_handoff_stream(stream, ambient))
     try:
-        passed = _apply(_Handoff, *params)
+        inputs: tuple[Tensor | None, ...] = params
+        if dtype is not None:
+            inputs = tuple(_cached_cast(call, x, p, dtype, p is weight) for p in params)
+        missing = any(t is None for t in inputs)
+        passed = None if missing else _apply(_Handoff, *inputs)
     finally:
         backend.set_stream(ambient)
+    if cast:
+        # 1b. A reads the casts (the layer's forward, then its dI); they were allocated
+        # on W (or wherever autocast cached them) and autocast's cache or the split node
+        # keeps them alive.
+        _join_casts(backend, stream, ambient, [t for t in inputs if t is not None])
+    if passed is None:
+        return None
     handed: tuple[Tensor, ...] = (passed,) if bias is None else passed
     handed_w, handed_b = handed[0], (handed[1] if bias is not None else None)
-    stock: _Stock | None = None
-    if dtype is not None:
-        # 1a. Under autocast the stock forward runs, on A, on the parameters themselves:
-        # autocast casts them exactly as for the stock layer, through its weight cache
-        # (which serves, for the rest of its region, a cast made before an in-place update
-        # such as an optimizer step inside the region). No kernel runs on W in forward.
-        x = _autocast(x, dtype)
-        stock = _stock_forward(call, x, weight, bias, dtype)
-        if stock is None:
-            return None
     # 2. The split node, made on A.
-    out: Tensor = _apply(_Split, call, x, handed_w, handed_b, stock)
+    out: Tensor = _apply(_Split, call, x, handed_w, handed_b, cast)
     return out
 
 
-class _Stock(NamedTuple):
-    """What the stock forward under autocast computed (the split node keeps them detached:
-    the graph the forward built is dropped)."""
+def _cached_cast(
+    call: LayerCall, x: Tensor, param: Tensor, dtype: torch.dtype, is_weight: bool
+) -> Tensor | None:
+    """``param`` as a lower-precision op under autocast reads it: autocast's cast through
+    its weight cache, which for the rest of its region serves a cast made before an
+    in-place update (an optimizer step inside the region), as stock layers read it.
 
-    out: Tensor  # the layer's output
-    weight: Tensor  # the weight as the layer's op saved it: autocast's cast (dI reads it)
-    cast: bool  # whether ``weight`` is a cast (held by a pending dW, 6.)
-
-
-def _stock_forward(
-    call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype
-) -> _Stock | None:
-    """The layer's stock forward under autocast, and the weight its op saved for backward
-    (autocast's cast of it: PyTorch has no other way to reach the cache), or ``None``."""
+    PyTorch has no call that returns that cast: an op that reads ``param`` runs on an
+    empty input that requires grad, and the cast is the tensor its node saves. A 1-D or
+    2-D parameter goes through ``matmul``, a weight of more dimensions through the layer's
+    own forward on an empty batch. ``None`` if no such tensor was saved.
+    """
+    if not _casts(param, dtype):
+        return param
     seen: list[Tensor] = []
 
     def pack(t: Tensor) -> Tensor:
         seen.append(t)
         return t
 
-    # An input of its own that requires grad, so the op saves the weight for its dI; the
-    # graph it builds is dropped on return.
-    probe = x.detach().requires_grad_(x.is_floating_point() or x.is_complex())
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-        out = call.rule.forward(call.layer, probe, weight, bias)
+        if param.dim() <= 2:
+            empty = torch.empty(0, param.shape[0], dtype=dtype, device=param.device)
+            torch.matmul(empty.requires_grad_(), param)
+        elif is_weight and x.is_floating_point() and x.dim() > 0:
+            call.rule.forward(call.layer, x[:0].detach().requires_grad_(), param, None)
     for saved in seen:
         base = saved if saved._base is None else saved._base
-        if (
-            base is not probe
-            and base.shape == weight.shape
-            and base.dtype == _cast_dtype(weight, dtype)
-        ):
-            return _Stock(out, base, base is not weight)
+        if base.shape == param.shape and base.dtype == dtype:
+            return base
     return None
 
 
 def _unpack(t: Tensor) -> Tensor:
-    return t  # never called: the graph that saved it is dropped unused
+    return t  # never called: the graph of the op that saved it is dropped unused
 
 
 # The synchronization points, one function each (the mutation tests remove each one and
@@ -121,6 +126,17 @@ def _unpack(t: Tensor) -> Tensor:
 def _handoff_stream(stream: Stream, ambient: Stream) -> Stream:
     """1. The stream the pass-through node is made on: the weight-gradient stream."""
     return stream
+
+
+def _fork_casts(backend: Backend, stream: Stream, ambient: Stream) -> None:
+    """1a. ``W`` waits on an event recorded on ``A`` now, before autocast's casts run on it."""
+    backend.wait_event(stream, backend.record_event(ambient))
+
+
+def _join_casts(backend: Backend, stream: Stream, ambient: Stream, casts: Iterable[Tensor]) -> None:
+    """1b. ``A`` waits on the casts, and each gets ``record_stream(A)``."""
+    backend.wait_event(ambient, backend.record_event(stream))
+    _protect(backend, casts, ambient)
 
 
 def _protect(backend: Backend, tensors: Iterable[Tensor], stream: Stream) -> None:
@@ -151,14 +167,8 @@ def _casts(t: Tensor, dtype: torch.dtype) -> bool:
     return t.is_floating_point() and t.dtype not in (torch.float64, dtype)
 
 
-def _cast_dtype(t: Tensor, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a lower-precision op under autocast reads ``t`` in."""
-    return dtype if _casts(t, dtype) else t.dtype
-
-
 def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t`` as autocast casts an input of a lower-precision op (afresh: autocast caches
-    the cast of a leaf that requires grad, which a layer's input rarely is)."""
+    """``t`` as autocast casts the arguments of a lower-precision op."""
     return t.to(dtype) if _casts(t, dtype) else t
 
 
@@ -180,29 +190,16 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        call: LayerCall,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        stock: _Stock | None,
+        ctx: Any, call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None, cast: bool
     ) -> Tensor:
         ctx.split, ctx.rule, ctx.stream = call.split, call.rule, call.stream
         ctx.layer = weakref.ref(call.layer)
-        # What the engine checks dW and db against: the parameters handed in.
-        ctx.weight_like = _Like.of(weight)
+        # What the engine checks dW and db against: the tensors handed in (cast, under
+        # autocast, as the cast's own node then converts on W).
         ctx.bias_like = None if bias is None else _Like.of(bias)
-        if stock is None:
-            ctx.weight_cast = False
-            ctx.save_for_backward(x, weight)
-            return call.rule.forward(call.layer, x, weight, bias)
-        # Under autocast: the stock forward's output, and the weight it read for dI. The
-        # output is made here, by the last op of this forward, as the stock math is
-        # otherwise (the race checker tags a node with the stream of the op that made its
-        # output).
-        ctx.weight_cast = stock.cast  # held by dW like x (6.)
-        ctx.save_for_backward(x, stock.weight.detach())
-        return stock.out.detach()
+        ctx.weight_cast = cast  # the weight saved is a cast: held by dW like x (6.)
+        ctx.save_for_backward(x, weight)
+        return call.rule.forward(call.layer, x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
@@ -234,7 +231,7 @@ class _Split(torch.autograd.Function):
             backend.set_stream(stream)
             try:
                 w_grad, b_grad = rule.weight_grads(layer, grad, x, weight, need_b)
-                dw = _like(w_grad, ctx.weight_like) if need_w else None
+                dw = _like(w_grad, _Like.of(weight)) if need_w else None
                 db = _like(b_grad, ctx.bias_like) if need_b and b_grad is not None else None
                 held = _held_bytes((grad, x, weight) if ctx.weight_cast else (grad, x))
                 late = split.dw_launched(weight.device, stream, held)

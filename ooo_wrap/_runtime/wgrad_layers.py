@@ -185,13 +185,13 @@ def register_split_layer(
     """Let ``split_weight_grads`` split layers of ``layer_type`` (and its subclasses).
 
     The layer must have a ``weight`` parameter and a ``bias`` parameter or ``None``, and
-    its ``forward(x)`` must take one tensor. The functions get the layer and the tensors;
-    each must compute exactly what autograd's backward of the stock ``forward`` computes,
-    in the same op order, or the gradients differ in the last bits. Under autocast,
-    ``forward`` gets the input already cast and the parameters themselves (its ops cast
-    them, through autocast's weight cache, as the stock layer's do), and ``input_grad``
-    and ``weight_grads`` get the weight as the forward's op saved it (autocast's cast); a
-    call whose ops save no cast of the weight runs the stock layer.
+    its ``forward(x)`` must take one tensor. The functions get the layer and the tensors
+    (under autocast, already cast as autocast casts them, the parameters through its
+    weight cache; a weight of more than two dimensions is cast by running ``forward`` on
+    an empty batch, and a call whose ``forward`` then saves no such cast runs the stock
+    layer); each must compute exactly what
+    autograd's backward of the stock ``forward`` computes, in the same op order, or the
+    gradients differ in the last bits.
 
     Args:
         layer_type: the module class.

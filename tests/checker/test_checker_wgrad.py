@@ -72,30 +72,49 @@ def checked_under_autocast(name: str, capture: bool = False) -> CheckReport:
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("name", ["tied", "block", "conv"])
 def test_the_split_under_bf16_autocast_checks_clean(name: str, capture: bool) -> None:
-    # Autocast casts the weight on the layers' stream, as for the stock layer, and dI
-    # reads that cast there; dW (cast back to float32 on the weight-gradient stream) goes
-    # through the pass-through node. The tied weight is read in float32 by the embedding
-    # and cast for the head.
+    # The weight's cast runs on the weight-gradient stream in forward (its backward, the
+    # cast of dW back to float32, then runs there too): forked from and joined to the
+    # layers' stream. The tied weight is read in float32 by the embedding and cast for the
+    # head.
     report = checked_under_autocast(name, capture)
     assert report.not_checked is None
     assert report.races == () and report.allocator_hazards == ()
     assert report.ok
 
 
-def test_without_record_stream_the_allocator_may_reuse_the_weight_cast_dw_reads(
+def test_without_the_fork_the_casts_race_with_the_optimizer_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Under autocast the weight a convolution's dW reads on the weight-gradient stream is
-    # autocast's cast, allocated on the layers' stream: it needs record_stream like the
-    # output gradient and the input (the parameter itself is never freed).
-    def without_the_weight(backend: Any, tensors: Any, stream: Any) -> None:
-        protect(backend, list(tensors)[:2], stream)
+    monkeypatch.setattr(wgrad, "_fork_casts", lambda backend, stream, ambient: None)
+    report = checked_under_autocast("tied")
+    assert any(
+        race.later.stream != "default" and race.earlier.phase == "step" for race in report.races
+    ), report.races
 
-    protect = wgrad._protect
-    monkeypatch.setattr(wgrad, "_protect", without_the_weight)
-    report = checked_under_autocast("conv")
+
+def test_without_the_join_the_layer_reads_unfinished_casts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def protect_only(backend: Any, stream: Any, ambient: Any, casts: Any) -> None:
+        wgrad._protect(backend, casts, ambient)
+
+    monkeypatch.setattr(wgrad, "_join_casts", protect_only)
+    report = checked_under_autocast("tied")
+    assert any(
+        race.later.stream == "default" and race.earlier.stream != "default" for race in report.races
+    ), report.races
+    assert not report.allocator_hazards
+
+
+def test_without_record_stream_the_allocator_may_reuse_the_casts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def wait_only(backend: Any, stream: Any, ambient: Any, casts: Any) -> None:
+        backend.wait_event(ambient, backend.record_event(stream))
+
+    monkeypatch.setattr(wgrad, "_join_casts", wait_only)
+    report = checked_under_autocast("tied")
     assert report.allocator_hazards and not report.races
-    assert checked_under_autocast("mlp").ok  # a Linear's dW reads only the weight's strides
 
 
 def test_accumulators_held_from_before_the_first_forward() -> None:

@@ -3,9 +3,8 @@
 Autocast caches the low-precision cast of a leaf weight for the whole autocast region (it
 drops the cache only when the outermost region exits), so a stock layer called again in
 the same region after an in-place update (``optimizer.step()``) reads the cast made before
-the update. A split layer must read what the stock layer reads: under autocast it runs the
-stock forward on the parameters themselves, so autocast casts them through its cache, and
-its dI reads the cast that forward saved.
+the update. A split layer must read what the stock layer reads: under autocast it takes
+autocast's own cast of each parameter, through that cache.
 """
 
 from __future__ import annotations
@@ -73,9 +72,9 @@ def test_one_region_spanning_steps_without_the_weight_cache_keeps_parity(name: s
 
 
 def test_under_autocast_the_accumulators_are_made_on_the_weight_gradient_stream() -> None:
-    # The pass-through node is made before the stock forward casts the parameters, so it
-    # stays their first use: each gradient accumulates on the stream that produced it,
-    # and the layers' stream never waits for a dW to accumulate.
+    # Autocast's casts are made on the weight-gradient stream, so they are the parameters'
+    # first use: each gradient accumulates on the stream that produced it, and the
+    # layers' stream never waits for a dW to accumulate.
     torch.manual_seed(0)
     backend = DetectingBackend()
     with detect(backend) as found:
@@ -99,11 +98,11 @@ def test_under_autocast_the_accumulators_are_made_on_the_weight_gradient_stream(
 
 
 class Scaled(nn.Module):
-    """``x * weight.sum()``: an op autocast does not cast, that saves no copy of the weight."""
+    """``x * weight.sum()``, a 3-D weight: no op of it saves the weight's cast."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.weight = nn.Parameter(torch.randn(3, 4, 2))
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,8 +141,8 @@ def registered_scaled() -> Any:
 
 @pytest.mark.usefixtures("registered_scaled")
 def test_a_layer_whose_op_saves_no_weight_cast_runs_stock_under_autocast() -> None:
-    # Its split forward cannot tell which weight the stock op read: it steps aside
-    # (counted, one event), and the model trains bitwise as the plain one.
+    # Autocast's cast of the weight cannot be reached: the layer steps aside (counted, one
+    # event), and the model trains bitwise as the plain one.
     def make() -> nn.Module:
         return nn.Sequential(Scaled(), nn.Tanh())
 
@@ -154,3 +153,19 @@ def test_a_layer_whose_op_saves_no_weight_cast_runs_stock_under_autocast() -> No
     assert [e.reason for e in wrapped.events].count("weight_grads_autocast_weight") == 1
     wrapped, _ = run(make, torch.randn(2, 4), plain_step, planner="static")
     assert wrapped.stats.split_layer_calls == STEPS  # without autocast it splits
+
+
+def test_a_gradient_penalty_under_autocast_keeps_parity() -> None:
+    # create_graph=True: dI and dW inline and differentiable; the penalty's gradient
+    # reaches the weight through the cast dI read, as in the stock layer's double backward.
+    def penalty_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out: torch.Tensor = model(x)
+            loss = out.float().square().mean()
+        (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+        (loss + dx.square().sum()).backward()
+        return out
+
+    wrapped, _ = run(Mixed, torch.randn(5, 12), penalty_step, planner="static")
+    assert wrapped.stats.split_step_asides == STEPS * 4  # computed inline
