@@ -20,7 +20,7 @@ import ooo_wrap
 from ooo_wrap._runtime.wgrad import split_layers
 from ooo_wrap.testing import DetectingBackend, detect
 from tests.runtime.test_checkpoint_amp import Mixed
-from tests.runtime.test_wgrad import STEPS, plain_step, run
+from tests.runtime.test_wgrad import STEPS, autocast_step, plain_step, run
 from tests.support.wgrad_models import MODELS as WGRAD_MODELS
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
@@ -169,3 +169,23 @@ def test_a_gradient_penalty_under_autocast_keeps_parity() -> None:
 
     wrapped, _ = run(Mixed, torch.randn(5, 12), penalty_step, planner="static")
     assert wrapped.stats.split_step_asides == STEPS * 4  # computed inline
+
+
+class Twice(nn.Module):
+    """One ``nn.Linear`` called twice per forward: both calls read one cached cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.tanh(self.layer(torch.tanh(self.layer(x)))))
+        return out
+
+
+def test_a_layer_called_twice_under_autocast_keeps_parity() -> None:
+    # Stock: both calls' weight gradients meet, in bfloat16, at the one cast's node, and
+    # are converted to float32 once; the split hands both to that node too.
+    wrapped, _ = run(Twice, torch.randn(4, 8), autocast_step, planner="static")
+    assert wrapped.stats.split_layer_calls == STEPS * 3
