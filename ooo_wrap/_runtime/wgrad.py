@@ -13,12 +13,14 @@ weight-gradient stream):
 1. Forward: the weight (and bias) enter through a pass-through node (:class:`_Handoff`)
    made while ``W`` is current, so its backward runs on ``W``; as it is normally the
    parameter's first use in the graph, the parameter's ``AccumulateGrad`` is made on
-   ``W`` too. The pass-through is a view: no kernel. Under autocast the casts to the
-   lower precision are made there as well, so the cast's backward (dW back to the
-   parameter's dtype) runs on ``W``; those casts are kernels on ``W`` in forward, so
-   ``W`` first waits on an event recorded on ``A`` (the parameters' last writes), and
-   ``A`` then waits on one recorded on ``W`` and ``record_stream``-s the casts, which it
-   reads in the layer's forward and dI.
+   ``W`` too. The pass-through is a view: no kernel. Under autocast what enters it is
+   autocast's own cast of each parameter, taken through its weight cache (which, for the
+   rest of its region, serves a cast made before an in-place update such as an optimizer
+   step inside the region, as stock layers read it); a cast made now is made on ``W``, so
+   its backward (dW back to the parameter's dtype) runs on ``W``. Those casts are kernels
+   on ``W`` in forward, so ``W`` first waits on an event recorded on ``A`` (the
+   parameters' last writes), and ``A`` then waits on one recorded on ``W`` and
+   ``record_stream``-s the casts, which it reads in the layer's forward and dI.
 2. Forward: the layer's :class:`_Split` node is made on ``A`` and computes the stock math.
 3. Backward of ``_Split`` (on ``A``, the output gradient ``g`` ready there): ``g`` and the
    saved tensors get ``record_stream(W)``, since ``W`` reads them while ``A`` may free
@@ -52,7 +54,8 @@ backward is the stock one. Calls run the stock layer, unsplit, with gradients of
 anomaly mode, under functorch transforms or ``torch.compile`` tracing, outside a planned
 forward of the wrapped model (the plain arm of measured tuning, ``ooo_wrap.disabled()``,
 a checkpoint recomputing in backward), for a parameter that is not a plain dense tensor
-(FSDP2's sharded ``DTensor``), and where the rule refuses the call.
+(FSDP2's sharded ``DTensor``), where the rule refuses the call, and under autocast where
+autocast's cast of a parameter cannot be reached (1.).
 
 The layers' classes are swapped (:func:`swapped_class`, cached per class) only while the
 split is installed; :meth:`WeightGradSplit.remove` restores each exactly. A swapped layer
@@ -104,6 +107,9 @@ _MESSAGES = {
     "frozen": "the weight does not require grad: nothing to split",
     "fsdp": "the layer is managed by fully_shard (FSDP2), whose post-backward reads .grad "
     "in the middle of backward and orders its reduce-scatter after the caller's stream only: "
+    "stock layer",
+    "autocast_weight": "under autocast, autocast's cast of a parameter could not be reached "
+    "(a parameter of more than two dimensions that the layer's own op does not save): "
     "stock layer",
     "create_graph": "backward with create_graph=True: weight gradients computed inline, "
     "differentiably",
@@ -255,9 +261,16 @@ class WeightGradSplit:
             return original.forward(layer, x)
         weight, bias = _params(layer)
         assert weight is not None  # _reason refused a layer without one
+        # Counted first: a checkpoint's recomputation may stop inside the call, once the
+        # split node has saved what the backward needs.
         self.counters.split_layer_calls += 1
         call = LayerCall(self, rule, layer, self.stream(weight.device))
-        return run_split(call, x, weight, bias)
+        out = run_split(call, x, weight, bias)
+        if out is None:
+            self.counters.split_layer_calls -= 1
+            self.step_aside("autocast_weight")
+            return original.forward(layer, x)
+        return out
 
 
 class _Lag:

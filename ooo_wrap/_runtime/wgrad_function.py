@@ -40,8 +40,9 @@ class LayerCall(NamedTuple):
     stream: Stream  # the weight-gradient stream ``W`` of the layer's device
 
 
-def run_split(call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """One split layer call (steps 1 and 2) on the current stream ``A``."""
+def run_split(call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """One split layer call (steps 1 and 2) on the current stream ``A``; ``None`` where
+    autocast's cast of a parameter cannot be reached (the caller runs the stock layer)."""
     split, stream = call.split, call.stream
     backend, device = split.backend, weight.device
     ambient = backend.current_stream(device)
@@ -50,29 +51,72 @@ def run_split(call: LayerCall, x: Tensor, weight: Tensor, bias: Tensor | None) -
     )
     params = (weight,) if bias is None else (weight, bias)
     cast = dtype is not None and any(_casts(p, dtype) for p in params)
+    if dtype is not None:
+        x = _autocast(x, dtype)
     if cast:
         # 1a. Under autocast the casts run on W, in forward: W first waits on A (the
         # parameters' last writes, an optimizer step's, were queued there).
         _fork_casts(backend, stream, ambient)
-    # 1. The pass-through node (and autocast's casts) made on W.
+    # 1. Autocast's own casts (made now on W, unless its cache holds them) and the
+    # pass-through node, made on W.
     backend.set_stream(_handoff_stream(stream, ambient))
     try:
-        handed = _apply(_Handoff, *params)
-        handed = (handed,) if bias is None else handed
+        inputs: tuple[Tensor | None, ...] = params
         if dtype is not None:
-            handed = tuple(_autocast(t, dtype) for t in handed)
+            inputs = tuple(_cached_cast(call, x, p, dtype, p is weight) for p in params)
+        missing = any(t is None for t in inputs)
+        passed = None if missing else _apply(_Handoff, *inputs)
     finally:
         backend.set_stream(ambient)
     if cast:
         # 1b. A reads the casts (the layer's forward, then its dI); they were allocated
-        # on W and stay alive until the split node is freed after its backward.
-        _join_casts(backend, stream, ambient, handed)
+        # on W (or wherever autocast cached them) and autocast's cache or the split node
+        # keeps them alive.
+        _join_casts(backend, stream, ambient, [t for t in inputs if t is not None])
+    if passed is None:
+        return None
+    handed: tuple[Tensor, ...] = (passed,) if bias is None else passed
     handed_w, handed_b = handed[0], (handed[1] if bias is not None else None)
-    if dtype is not None:
-        x = _autocast(x, dtype)
     # 2. The split node, made on A.
     out: Tensor = _apply(_Split, call, x, handed_w, handed_b, cast)
     return out
+
+
+def _cached_cast(
+    call: LayerCall, x: Tensor, param: Tensor, dtype: torch.dtype, is_weight: bool
+) -> Tensor | None:
+    """``param`` as a lower-precision op under autocast reads it: autocast's cast through
+    its weight cache, which for the rest of its region serves a cast made before an
+    in-place update (an optimizer step inside the region), as stock layers read it.
+
+    PyTorch has no call that returns that cast: an op that reads ``param`` runs on an
+    empty input that requires grad, and the cast is the tensor its node saves. A 1-D or
+    2-D parameter goes through ``matmul``, a weight of more dimensions through the layer's
+    own forward on an empty batch. ``None`` if no such tensor was saved.
+    """
+    if not _casts(param, dtype):
+        return param
+    seen: list[Tensor] = []
+
+    def pack(t: Tensor) -> Tensor:
+        seen.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        if param.dim() <= 2:
+            empty = torch.empty(0, param.shape[0], dtype=dtype, device=param.device)
+            torch.matmul(empty.requires_grad_(), param)
+        elif is_weight and x.is_floating_point() and x.dim() > 0:
+            call.rule.forward(call.layer, x[:0].detach().requires_grad_(), param, None)
+    for saved in seen:
+        base = saved if saved._base is None else saved._base
+        if base.shape == param.shape and base.dtype == dtype:
+            return base
+    return None
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t  # never called: the graph of the op that saved it is dropped unused
 
 
 # The synchronization points, one function each (the mutation tests remove each one and

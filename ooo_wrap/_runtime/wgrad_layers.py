@@ -186,7 +186,10 @@ def register_split_layer(
 
     The layer must have a ``weight`` parameter and a ``bias`` parameter or ``None``, and
     its ``forward(x)`` must take one tensor. The functions get the layer and the tensors
-    (under autocast, already cast as autocast casts them); each must compute exactly what
+    (under autocast, already cast as autocast casts them, the parameters through its
+    weight cache; a weight of more than two dimensions is cast by running ``forward`` on
+    an empty batch, and a call whose ``forward`` then saves no such cast runs the stock
+    layer); each must compute exactly what
     autograd's backward of the stock ``forward`` computes, in the same op order, or the
     gradients differ in the last bits.
 

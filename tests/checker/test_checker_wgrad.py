@@ -70,7 +70,7 @@ def checked_under_autocast(name: str, capture: bool = False) -> CheckReport:
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
-@pytest.mark.parametrize("name", ["tied", "block"])
+@pytest.mark.parametrize("name", ["tied", "block", "conv"])
 def test_the_split_under_bf16_autocast_checks_clean(name: str, capture: bool) -> None:
     # The weight's cast runs on the weight-gradient stream in forward (its backward, the
     # cast of dW back to float32, then runs there too): forked from and joined to the
