@@ -29,9 +29,13 @@ class DeferredScheduler(Scheduler):
     """The scheduler, with each stage's join with the caller's stream left pending until
     something touches the stage's results."""
 
+    _sharing_found = False  # set on the instance once its stages' sharing is found
+
     def install_stages(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
         super().install_stages(model, handles)
-        _deferred.share_state(model, self._stages)  # 1c: found once, here
+        if not self._sharing_found:  # 1c: found once (tuning installs at every switch)
+            _deferred.share_state(model, self._stages)
+            self._sharing_found = True
 
     def _root_bypass(self) -> str | None:
         # A no_grad forward has stages to overlap too (its forward), so it forks.

@@ -107,11 +107,13 @@ def _cached_cast(
             empty = torch.empty(0, param.shape[0], dtype=dtype, device=param.device)
             torch.matmul(empty.requires_grad_(), param)
         elif is_weight and x.is_floating_point() and x.dim() > 0:
-            call.rule.forward(call.layer, x[:0].detach().requires_grad_(), param, None)
+            try:
+                call.rule.forward(call.layer, x[:0].detach().requires_grad_(), param, None)
+            except (RuntimeError, ValueError):
+                return None  # a forward that refuses an empty batch: the layer runs stock
     for saved in seen:
-        base = saved if saved._base is None else saved._base
-        if base.shape == param.shape and base.dtype == dtype:
-            return base
+        if saved.shape == param.shape and saved.dtype == dtype:
+            return saved
     return None
 
 

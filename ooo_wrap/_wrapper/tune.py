@@ -274,6 +274,8 @@ class Tuner:
         if not self.as_graph:
             self.as_graph = True
             self.race = Race(self.arms, self.steps, self.clock)
+            self.recalled = False  # a cached arm being confirmed is raced again as a graph
+            self.shared.recalled = None
 
     def replayed(self, arm: Arm | None, shape: Shape, start: Mark, end: Mark) -> bool:
         """A replay of ``arm``'s graph (``None``: a warm-up) at ``shape`` ran between the

@@ -214,6 +214,8 @@ def figures(record: Tuning) -> str:
             return f"no arm could be timed against plain on {record.device}"
         plain, best = record.arms[0], min(raced, key=lambda arm: arm.median_relative or 0.0)
         where = "in the race"
+    if best.median_ms is None or plain.median_ms is None or record.speedup is None:
+        return f"{where}, no step could be timed against plain on {record.device}"
     steps = "graph replays" if record.as_graph else "steps"
     return (
         f"{where}, median step {best.median_ms:.3f} ms with {best.name} vs "

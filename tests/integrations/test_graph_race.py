@@ -392,3 +392,14 @@ def test_an_arm_one_rank_cannot_capture_leaves_the_race_on_every_rank() -> None:
     results = run_ranks(_rank_race, timeout=300.0)
     assert [r["arms"] for r in results] == [("plain",), ("plain",)]
     assert [r["decision"] for r in results] == ["plain", "plain"]
+
+
+def test_a_cached_arm_being_confirmed_is_raced_again_as_a_graph_not_labelled_cached() -> None:
+    model, _ = _wrap(8.0, 10.0)
+    _step_for(model)(two_tower_input())  # plain's warm-up: the tuner exists
+    tuner = registry.wrapped[model].tuner
+    assert tuner is not None
+    tuner.recalled, tuner.shared.recalled = True, "static"  # as a recall being confirmed
+    _Race(model).until_decided()
+    reasons = [e.reason for e in ooo_wrap.events_for(model)]
+    assert "kept" in reasons and "cached" not in reasons, reasons

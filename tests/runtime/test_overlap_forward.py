@@ -522,3 +522,27 @@ def test_a_stage_waits_once_per_stream_on_the_stages_it_shares_with() -> None:
     side1, side2 = VirtualStream(1), VirtualStream(2)
     assert side_waits == [(side2, side1), (side1, side2), (side2, side1)]
     assert _idle()
+
+
+def test_sharing_is_found_once_per_scheduler_not_at_every_arm_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Tuning puts an arm's stage hooks on at each of its steps: finding which stages share
+    # state walks every parameter, host time charged to the step, so it is done once.
+    from ooo_wrap._runtime import deferred
+
+    calls: list[int] = []
+    found = deferred.share_state
+    monkeypatch.setattr(deferred, "share_state", lambda *a: (calls.append(1), found(*a))[1])
+    model = ooo_wrap.OOOModule(
+        om.TowersSum(),
+        backend=SimulatedBackend(step_time=lambda calls: 1.0),
+        planner="static",
+        overlap_forward=True,
+        split_weight_grads=False,
+        tune_arms=1,
+    )
+    x = om.inputs()
+    for _ in range(12):  # plain and the overlap arm take turns: six switches to it
+        model(x).sum().backward()
+    assert len(calls) == 1

@@ -189,3 +189,36 @@ def test_a_layer_called_twice_under_autocast_keeps_parity() -> None:
     # are converted to float32 once; the split hands both to that node too.
     wrapped, _ = run(Twice, torch.randn(4, 8), autocast_step, planner="static")
     assert wrapped.stats.split_layer_calls == STEPS * 3
+
+
+class Picky(Scaled):
+    """As :class:`Scaled`, with a forward that refuses an empty batch."""
+
+
+def _picky_forward(layer: nn.Module, x: torch.Tensor, w: torch.Tensor, b: Any) -> torch.Tensor:
+    if x.shape[0] == 0:
+        raise ValueError("expected a non-empty batch")
+    return x * w.sum()
+
+
+def test_a_layer_whose_forward_refuses_an_empty_batch_runs_stock_under_autocast() -> None:
+    from ooo_wrap._runtime import wgrad_layers
+
+    ooo_wrap.register_split_layer(
+        Picky,
+        forward=_picky_forward,
+        input_grad=_scaled_input_grad,
+        weight_grads=_scaled_weight_grads,
+    )
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            wrapped, _ = run(
+                lambda: nn.Sequential(Picky(), nn.Tanh()),
+                torch.randn(2, 4),
+                plain_step,
+                planner="static",
+            )
+    finally:
+        wgrad_layers._REGISTERED.pop(Picky)
+    assert wrapped.stats.split_layer_calls == 0
+    assert [e.reason for e in wrapped.events].count("weight_grads_autocast_weight") == 1

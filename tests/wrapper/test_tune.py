@@ -855,3 +855,31 @@ def test_a_model_that_lost_its_turn_recomputes_as_its_forward_ran() -> None:
     in_forward = list(forked)
     loss.backward()
     assert in_forward == [True] and forked[1:] == [True]
+
+
+def test_a_confirmation_round_that_times_nothing_says_so() -> None:
+    # Steps that cannot count (every shape new, or disabled()) end a confirmation round
+    # with no timing: the figures say so instead of formatting a missing median.
+    from ooo_wrap._plan import Plan
+    from ooo_wrap._wrapper.arms import Arm
+    from ooo_wrap._wrapper.race import Race
+    from ooo_wrap._wrapper.tuning import figures
+
+    class Clock:
+        device_name = "a clock"
+
+        def synchronize(self, mark: object) -> None:
+            pass
+
+    plain = Arm("plain", Plan((), 4, "static"), False)
+    wgrad = Arm("wgrad", Plan((), 4, "static"), True)
+    race = Race([plain, wgrad], 6, Clock())  # type: ignore[arg-type]
+    race.explain = lambda winner, kept: figures(race.record("pending", False))
+    race.confirm(wgrad)  # a cached arm, with tune_cache_confirm=True
+    for _ in range(1000):
+        race.begun()
+        race.decide()
+        if race.stage == "decided":
+            break
+    assert race.verdict == "plain"
+    assert race.why == "in the confirmation round, no step could be timed against plain on a clock"
