@@ -202,21 +202,42 @@ def wait_for_inputs(
 
 def share_state(model: nn.Module, stages: Sequence[StageRuntime]) -> None:
     """1c. Set each stage's ``sharing``: the other stages whose module holds a parameter
-    or buffer on a storage its own module holds too (a tied weight, a shared norm)."""
-    users: dict[int, set[int]] = {}
+    or buffer overlapping one its own module holds (a tied weight, a shared norm, a view
+    of the same buffer). By the bytes each spans in its storage, so parameters laid out
+    side by side in one flat buffer (as sharded or fused optimizers keep them) share
+    nothing."""
+    spans: dict[int, list[tuple[int, int, int]]] = {}  # storage: (start, end, stage index)
     for stage in stages:
         module = model.get_submodule(stage.name)
         for tensor in itertools.chain(module.parameters(), module.buffers()):
             keys = _keys([tensor])
-            key = id(tensor) if keys is None else keys[0]
-            users.setdefault(key, set()).add(stage.index)
+            key, span = (id(tensor), (0, 1)) if keys is None else (keys[0], _span(tensor))
+            spans.setdefault(key, []).append((*span, stage.index))
     sharing: dict[int, set[int]] = {stage.index: set() for stage in stages}
-    for indexes in users.values():
-        if len(indexes) > 1:  # one pass over the storages, not one per stage
-            for index in indexes:
-                sharing[index] |= indexes
+    for items in spans.values():  # a sweep over each storage's spans, in order
+        open_spans: list[tuple[int, int]] = []  # (end, stage index)
+        for start, end, index in sorted(items):
+            open_spans = [(e, i) for e, i in open_spans if e > start]
+            for _, other in open_spans:
+                if other != index:
+                    sharing[index].add(other)
+                    sharing[other].add(index)
+            open_spans.append((end, index))
     for stage in stages:
-        stage.sharing = tuple(sorted(sharing[stage.index] - {stage.index}))
+        stage.sharing = tuple(sorted(sharing[stage.index]))
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``tensor`` spans, ``[start, end)`` (strided views of one
+    storage that interleave count as overlapping)."""
+    size = tensor.element_size()
+    start = int(tensor.storage_offset()) * size
+    if tensor.numel() == 0:
+        return start, start
+    last = sum(
+        (n - 1) * abs(stride) for n, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return start, start + (last + 1) * size
 
 
 def wait_for_sharing(stream: Stream, backend: Backend, stage: StageRuntime) -> int:

@@ -546,3 +546,31 @@ def test_sharing_is_found_once_per_scheduler_not_at_every_arm_switch(
     for _ in range(12):  # plain and the overlap arm take turns: six switches to it
         model(x).sum().backward()
     assert len(calls) == 1
+
+
+def _flat(model: nn.Module) -> nn.Module:
+    """``model`` with every parameter a view of one flat buffer, side by side."""
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            view = flat[offset : offset + param.numel()].view_as(param)
+            setattr(module, name, nn.Parameter(view))
+            offset += param.numel()
+    return model
+
+
+def test_parameters_side_by_side_in_one_flat_buffer_share_nothing() -> None:
+    # Sharing is by the bytes each tensor spans: towers whose weights sit side by side in
+    # one buffer (as fused or sharded optimizers lay them out) still overlap in forward.
+    model = _flat(om.TowersSum())
+    ooo_wrap.OOOModule(model, backend=SimulatedBackend(), planner="static", overlap_forward=True)
+    model(om.inputs())
+    from ooo_wrap._wrapper.registry import wrapped
+
+    scheduler = wrapped[model].scheduler
+    assert scheduler is not None
+    assert [stage.sharing for stage in scheduler._stages] == [(), (), ()]
+    report = check(_flat(om.TowersSum()), om.inputs(), overlap_forward=True, planner="static")
+    assert report.ok, str(report)
