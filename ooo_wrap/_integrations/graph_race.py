@@ -178,5 +178,4 @@ def bind_grads(grads: Grads) -> None:
 
 def _let_go(tuners: tuple[Tuner, ...]) -> None:
     for tuner in tuners:
-        if tuner.held:
-            tuner.hold(None)
+        tuner.hold(None)

@@ -158,9 +158,8 @@ def hold_for_graph(model: nn.Module) -> None:
 def let_go_of_graph(model: nn.Module) -> None:
     """Undo ``hold_for_graph``: a tuning model times its eager steps again."""
     state = wrapped.get(model)
-    tuner = None if state is None else state.tuner
-    if tuner is not None and tuner.held:
-        tuner.hold(None)
+    if state is not None and state.tuner is not None:
+        state.tuner.hold(None)
 
 
 def race_as_graph(model: nn.Module) -> Tuner | None:

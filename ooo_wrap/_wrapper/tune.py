@@ -257,7 +257,9 @@ class Tuner:
     def hold(self, arm: Arm | None) -> None:
         """``graphed_step`` races the arms as CUDA graphs: from now on forwards run ``arm``
         and nothing is timed or switched by them (``None``: let go). The open step, if
-        any, is not counted."""
+        any, is not counted. Letting go of a tuner not held changes nothing."""
+        if arm is None and not self.held:
+            return
         if self._open is not None:
             self._open.arm = None
         self.held = arm is not None
