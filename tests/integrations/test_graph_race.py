@@ -28,22 +28,16 @@ from ooo_wrap._wrapper import registry
 from ooo_wrap._wrapper.tune import Tuner
 from ooo_wrap._wrapper.tuning import shape_of
 from ooo_wrap.testing import SimulatedBackend
-from ooo_wrap.testing._simulated import StreamCall
 from tests.support.models import make_two_towers, two_tower_input
+from tests.support.step_clocks import planned_ms
 
 STAGES = ["towers.0", "towers.1"]
-
-
-def _forked(calls: Sequence[StreamCall]) -> bool:
-    return any(call.op == "set_stream" and call.stream.id != 0 for call in calls)
 
 
 def _wrap(plan_ms: float, plain_ms: float) -> tuple[nn.Module, SimulatedBackend]:
     """Steps that use side streams take ``plan_ms`` on the simulated clock, others
     ``plain_ms``."""
-    backend = SimulatedBackend(
-        step_time=lambda calls: plan_ms if _forked(calls) else plain_ms, keep_all=True
-    )
+    backend = SimulatedBackend(step_time=planned_ms(plan_ms, plain_ms), keep_all=True)
     model = ooo_wrap.OOOModule(
         make_two_towers(),
         backend=backend,
@@ -292,7 +286,7 @@ def test_a_second_graphed_step_of_the_model_adopts_the_decision() -> None:
 
 
 def test_a_decision_for_a_replanned_model_is_not_applied() -> None:
-    backend = SimulatedBackend(step_time=lambda calls: 8.0 if _forked(calls) else 10.0)
+    backend = SimulatedBackend(step_time=planned_ms(8.0, 10.0))
     model = ooo_wrap.OOOModule(
         make_two_towers(), backend=backend, stages=STAGES, split_weight_grads=False
     )  # the dataflow planner: replan() learns again

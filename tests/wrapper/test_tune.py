@@ -7,7 +7,7 @@ import doctest
 import pickle
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -20,9 +20,9 @@ from ooo_wrap.testing import SimulatedBackend
 from ooo_wrap.testing._simulated import StreamCall
 from tests.support.distributed import REPO_ROOT
 from tests.support.models import hook_count, make_two_towers, two_tower_input
+from tests.support.step_clocks import StepTime, forked, planned_ms
 
 STAGES = ["towers.0", "towers.1"]
-StepTime = Callable[[Sequence[StreamCall]], float]
 
 
 def plan_ms(tuning: Tuning) -> tuple[float, ...]:
@@ -39,16 +39,6 @@ def plan_kept(tuning: Tuning | None) -> bool:
     return tuning is not None and tuning.decision not in ("plain", "pending")
 
 
-def _forked(calls: Sequence[StreamCall]) -> bool:
-    """Whether a step's calls include a stage call run on its side stream."""
-    return any(call.op == "set_stream" and call.stream.id != 0 for call in calls)
-
-
-def planned_ms(plan: float, plain: float) -> StepTime:
-    """Steps that used side streams take ``plan`` ms, the others ``plain`` ms."""
-    return lambda calls: plan if _forked(calls) else plain
-
-
 def noisy_ms(plan: float, plain: float, noise: float, seed: int = 0) -> StepTime:
     """As :func:`planned_ms`, each step scaled by a uniform factor within ``noise``."""
     rng = random.Random(seed)
@@ -58,7 +48,7 @@ def noisy_ms(plan: float, plain: float, noise: float, seed: int = 0) -> StepTime
 
 def slow_plan_ms(calls: Sequence[StreamCall]) -> float:
     """Module-level (picklable): side streams make the step slower."""
-    return 12.0 if _forked(calls) else 10.0
+    return 12.0 if forked(calls) else 10.0
 
 
 def wrap(
@@ -352,7 +342,7 @@ def test_retune_after_measured_slower_puts_the_plan_back() -> None:
 
     def step_time(log: Sequence[StreamCall]) -> float:
         calls.append(1.0)
-        return (12.0 if slower[0] else 6.0) if _forked(log) else 10.0
+        return (12.0 if slower[0] else 6.0) if forked(log) else 10.0
 
     model, backend = wrap(step_time)
     until_decided(model)
@@ -738,7 +728,7 @@ def _gan_step_ms(gain: float) -> StepTime:
             6.0 if c.tensor == "float32[6]" else 2.0 if c.tensor == "float32[2]" else 0.0
             for c in calls
         )
-        return probes - (gain if _forked(calls) else 0.0)
+        return probes - (gain if forked(calls) else 0.0)
 
     return step_time
 
